@@ -1,0 +1,7 @@
+"""Keras layers of keras-dvi."""
+
+from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
+from keras_dvi.layers.dense_dvi import DenseDVI
+from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
+
+__all__ = ["DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"]

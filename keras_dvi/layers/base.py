@@ -1,0 +1,315 @@
+"""Shared machinery of the factorised-Gaussian keras-dvi layers.
+
+`BayesianLayer` owns the variational posterior `q(W) q(b)` (independent Gaussians, stored as
+means and log standard deviations), its initialisation and introspection, the sampling
+forward pass used by `keras_dvi.sample_outputs`, and configuration. Subclasses implement
+`_moments(mean, second, kind)` with the pure functions of `keras_dvi.moments`.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_dvi import moments, packing, sampling
+
+#: Default posterior variance of each kernel weight at initialisation, times fan-in.
+DEFAULT_KERNEL_VARIANCE_SCALE = 0.1
+
+
+class BayesianLayer(keras.layers.Layer):
+    """Base class: a factorised Gaussian posterior over a kernel and a bias.
+
+    Args:
+        activation: `None`/`"linear"`, `"relu"` or `"heaviside"`.
+        use_bias: whether the layer has a (Bayesian) bias.
+        kernel_mean_initializer: Keras initializer of the kernel posterior means.
+        bias_mean_initializer: Keras initializer of the bias posterior means.
+        kernel_variance_init: initial posterior variance of every kernel weight; `None` means
+            `0.1 / fan_in`.
+        bias_variance_init: initial posterior variance of every bias; `None` means a tenth of
+            the kernel's.
+        **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, `trainable`).
+    """
+
+    def __init__(
+        self,
+        activation=None,
+        use_bias=True,
+        kernel_mean_initializer="he_normal",
+        bias_mean_initializer="zeros",
+        kernel_variance_init=None,
+        bias_variance_init=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.activation = moments.canonical_activation(activation)
+        self.use_bias = bool(use_bias)
+        self.kernel_mean_initializer = keras.initializers.get(kernel_mean_initializer)
+        self.bias_mean_initializer = keras.initializers.get(bias_mean_initializer)
+        for arg, value in (
+            ("kernel_variance_init", kernel_variance_init),
+            ("bias_variance_init", bias_variance_init),
+        ):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(
+                    f"Argument `{arg}` must be a positive number or None; received {value!r}."
+                )
+        self.kernel_variance_init = kernel_variance_init
+        self.bias_variance_init = bias_variance_init
+
+    # ---------------------------------------------------------------- variables
+
+    def _initial_variances(self, fan_in):
+        kernel = self.kernel_variance_init
+        if kernel is None:
+            kernel = DEFAULT_KERNEL_VARIANCE_SCALE / max(fan_in, 1)
+        bias = self.bias_variance_init
+        if bias is None:
+            bias = kernel / 10.0
+        return float(kernel), float(bias)
+
+    def _build_posterior(self, fan_in, units):
+        kernel_var, bias_var = self._initial_variances(fan_in)
+        self._kernel_mean = self.add_weight(
+            name="kernel_mean", shape=(fan_in, units), initializer=self.kernel_mean_initializer
+        )
+        self._kernel_log_std = self.add_weight(
+            name="kernel_log_std",
+            shape=(fan_in, units),
+            initializer=keras.initializers.Constant(0.5 * math.log(kernel_var)),
+        )
+        if self.use_bias:
+            self._bias_mean = self.add_weight(
+                name="bias_mean", shape=(units,), initializer=self.bias_mean_initializer
+            )
+            self._bias_log_std = self.add_weight(
+                name="bias_log_std",
+                shape=(units,),
+                initializer=keras.initializers.Constant(0.5 * math.log(bias_var)),
+            )
+        else:
+            self._bias_mean = None
+            self._bias_log_std = None
+        self._fan_in = fan_in
+
+    @property
+    def kernel_mean(self):
+        """Posterior means of the kernel, `(in, units)`."""
+        return ops.convert_to_tensor(self._kernel_mean)
+
+    @property
+    def kernel_variance(self):
+        """Posterior variances of the kernel, `(in, units)`, always >= 0."""
+        return ops.exp(2.0 * ops.convert_to_tensor(self._kernel_log_std))
+
+    @property
+    def bias_mean(self):
+        """Posterior means of the bias, `(units,)`, or `None` without a bias."""
+        return None if self._bias_mean is None else ops.convert_to_tensor(self._bias_mean)
+
+    @property
+    def bias_variance(self):
+        """Posterior variances of the bias, `(units,)`, or `None` without a bias."""
+        if self._bias_log_std is None:
+            return None
+        return ops.exp(2.0 * ops.convert_to_tensor(self._bias_log_std))
+
+    def _posterior(self):
+        """Posterior moments cast to the compute dtype."""
+        dtype = self.compute_dtype
+        cast = lambda t: None if t is None else ops.cast(t, dtype)  # noqa: E731
+        return (
+            cast(self.kernel_mean),
+            cast(self.kernel_variance),
+            cast(self.bias_mean),
+            cast(self.bias_variance),
+        )
+
+    def set_posterior(self, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None):
+        """Sets the posterior moments (the layer must be built).
+
+        Args:
+            kernel_mean: array of shape `(in, units)`.
+            kernel_variance: positive array broadcastable to `(in, units)`.
+            bias_mean: array broadcastable to `(units,)`, or `None` to leave it unchanged.
+            bias_variance: positive array broadcastable to `(units,)`, or `None` to leave it.
+        """
+        if not self.built:
+            raise ValueError(
+                f"Layer {self.name!r} must be built (called on data, or `build(input_shape)`) "
+                "before `set_posterior`."
+            )
+        pairs = [
+            ("kernel_mean", kernel_mean, self._kernel_mean, False),
+            ("kernel_variance", kernel_variance, self._kernel_log_std, True),
+            ("bias_mean", bias_mean, self._bias_mean, False),
+            ("bias_variance", bias_variance, self._bias_log_std, True),
+        ]
+        for arg, value, variable, is_variance in pairs:
+            if value is None:
+                continue
+            if variable is None:
+                raise ValueError(f"Argument `{arg}` given, but layer {self.name!r} has no bias.")
+            value = ops.convert_to_numpy(ops.convert_to_tensor(value, dtype="float64"))
+            try:
+                value = value + 0.0 * ops.convert_to_numpy(variable)
+            except ValueError as error:
+                raise ValueError(
+                    f"Argument `{arg}` must broadcast to shape {tuple(variable.shape)}; "
+                    f"received shape {value.shape}."
+                ) from error
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"Argument `{arg}` must broadcast to shape {tuple(variable.shape)}; "
+                    f"received shape {value.shape}."
+                )
+            if is_variance:
+                if not (value > 0).all() or not (value < float("inf")).all():
+                    raise ValueError(f"Argument `{arg}` must be positive and finite.")
+                value = 0.5 * ops.convert_to_numpy(ops.log(value))
+            variable.assign(ops.cast(value, variable.dtype))
+
+    # ---------------------------------------------------------------- calling
+
+    def _check_features(self, features, name="inputs"):
+        if features is not None and self.built and features != self._fan_in:
+            raise ValueError(
+                f"Layer {self.name!r} expects inputs with {self._fan_in} features; argument "
+                f"`{name}` has {features}."
+            )
+
+    def call(self, inputs):
+        context = sampling.current_context()
+        if context is not None:
+            return self._sample(inputs, context)
+        mean, second, kind = packing.split(inputs)
+        self._check_features(int(mean.shape[-1]) if mean.shape[-1] is not None else None)
+        mean, second = self._moments(mean, second, kind)
+        return packing.pack(mean, second)
+
+    def _moments(self, mean, second, kind):
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- Monte Carlo
+
+    def _sample_inputs(self, inputs, context):
+        if isinstance(inputs, (list, tuple)) or len(inputs.shape) not in (2, 3):
+            raise ValueError(
+                "While sampling, keras-dvi layers take deterministic (batch, features) inputs "
+                "or (samples, batch, features) samples from another keras-dvi layer."
+            )
+        if len(inputs.shape) == 2:
+            inputs = ops.broadcast_to(
+                inputs[None], (context.num_samples,) + tuple(ops.shape(inputs))
+            )
+        self._check_features(int(inputs.shape[-1]))
+        return inputs
+
+    def _sample_affine(self, h, context):
+        """`h W + b` with `W`, `b` drawn from the posterior, one draw per sample."""
+        kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
+        dtype = self.compute_dtype
+        shape = (context.num_samples,) + tuple(kernel_mean.shape)
+        noise = keras.random.normal(shape, dtype=dtype, seed=context.seed_generator)
+        kernel = kernel_mean + ops.sqrt(kernel_var) * noise
+        out = ops.einsum("sbi,siu->sbu", h, kernel)
+        if bias_mean is not None:
+            noise = keras.random.normal(
+                (context.num_samples, 1, bias_mean.shape[0]), dtype=dtype, seed=context.seed_generator
+            )
+            out = out + bias_mean + ops.sqrt(bias_var) * noise
+        return out
+
+    def _sample(self, inputs, context):
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- config
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "activation": None if self.activation == "linear" else self.activation,
+                "use_bias": self.use_bias,
+                "kernel_mean_initializer": keras.initializers.serialize(self.kernel_mean_initializer),
+                "bias_mean_initializer": keras.initializers.serialize(self.bias_mean_initializer),
+                "kernel_variance_init": self.kernel_variance_init,
+                "bias_variance_init": self.bias_variance_init,
+            }
+        )
+        return config
+
+
+class DenseBase(BayesianLayer):
+    """A `BayesianLayer` with a `(in, units)` kernel: the common part of the dense layers.
+
+    Args:
+        units: positive integer, output width.
+        activation: as in `BayesianLayer`.
+        **kwargs: other arguments of `BayesianLayer`.
+    """
+
+    def __init__(self, units, activation=None, **kwargs):
+        super().__init__(activation=activation, **kwargs)
+        if isinstance(units, bool) or not isinstance(units, int) or units <= 0:
+            raise ValueError(
+                f"Argument `units` must be a positive integer; received units={units!r}."
+            )
+        self.units = units
+
+    def build(self, input_shape):
+        _, features = packing.structure_of_shape(input_shape)
+        if features is None:
+            raise ValueError(
+                f"The last dimension of the inputs to {type(self).__name__} must be defined."
+            )
+        self._build_posterior(features, self.units)
+
+    def _sample(self, inputs, context):
+        h = self._sample_inputs(inputs, context)
+        return apply_activation(self._sample_affine(h, context), self.activation)
+
+    @classmethod
+    def from_dense(cls, dense, kernel_variance=None, bias_variance=None, **kwargs):
+        """A layer whose posterior means are the weights of a built `keras.layers.Dense`.
+
+        Args:
+            dense: a built `keras.layers.Dense` with a linear or ReLU activation.
+            kernel_variance: initial posterior variance of the kernel (`None`: the default).
+            bias_variance: initial posterior variance of the bias (`None`: the default).
+            **kwargs: other constructor arguments of this class.
+
+        Returns:
+            A built layer of this class.
+        """
+        if not isinstance(dense, keras.layers.Dense) or not dense.built:
+            raise ValueError("Argument `dense` must be a built keras.layers.Dense layer.")
+        activation = getattr(dense.activation, "__name__", None)
+        kwargs.setdefault("use_bias", dense.use_bias)
+        layer = cls(
+            dense.units,
+            activation=None if activation == "linear" else activation,
+            kernel_variance_init=kernel_variance,
+            bias_variance_init=bias_variance,
+            **kwargs,
+        )
+        layer.build((None, int(dense.kernel.shape[0])))
+        layer.set_posterior(
+            dense.kernel, layer.kernel_variance, dense.bias if dense.use_bias else None
+        )
+        return layer
+
+    def get_config(self):
+        config = super().get_config()
+        config["units"] = self.units
+        return config
+
+
+def apply_activation(x, activation):
+    """Deterministic activation (used in sampling mode)."""
+    if activation == "relu":
+        return ops.relu(x)
+    if activation == "heaviside":
+        return ops.cast(x > 0, x.dtype)
+    return x

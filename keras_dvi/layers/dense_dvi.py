@@ -1,0 +1,84 @@
+"""`DenseDVI`: a fully connected Bayesian layer propagating full covariance matrices."""
+
+import keras
+
+from keras_dvi import moments, packing
+from keras_dvi.layers.base import DenseBase
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class DenseDVI(DenseBase):
+    """Dense layer with a factorised Gaussian posterior, propagating mean and full covariance.
+
+    Computes the Gaussian approximation to `activation(h W + b)` by deterministic variational
+    inference (Wu et al., ICLR 2019): the linear map is exact (eqs. 3-4), the activation
+    moments are exact on the diagonal (Table 1) and, off the diagonal, use either the paper's
+    asymptote plus correction (eqs. 6-7 with the corrected Table 1 of `notes/math.md`) or
+    the exact bivariate normal closed form.
+
+    Args:
+        units: positive integer, output width.
+        activation: `None` (linear), `"relu"` or `"heaviside"`.
+        covariance_approximation: `"paper"` (default, fast) or `"exact"` (Owen's T through
+            TensorFlow Probability; no approximation beyond the Gaussian assumption).
+        use_bias: whether to use a Bayesian bias.
+        kernel_mean_initializer: initializer of the kernel posterior means.
+        bias_mean_initializer: initializer of the bias posterior means.
+        kernel_variance_init: initial kernel posterior variance (`None`: `0.1 / fan_in`).
+        bias_variance_init: initial bias posterior variance (`None`: a tenth of the kernel's).
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Input shape:
+        A deterministic tensor `(batch, in)`, the packed output of another keras-dvi layer
+        (`(batch, in + 1, in)` or `(batch, 2, in)`), or a pair
+        `(mean (batch, in), covariance (batch, in, in) or variance (batch, in))`.
+
+    Output shape:
+        Packed `(batch, units + 1, units)`: row 0 the mean, rows 1.. the covariance. After a
+        deterministic input the output units are independent and the layer returns the
+        compact diagonal form `(batch, 2, units)` instead (exactly the same distribution).
+        Use `keras_dvi.unpack(outputs)` to get `(mean, covariance)`.
+
+    Example:
+
+    >>> model = keras.Sequential([
+    ...     keras.Input((3,)),
+    ...     DenseDVI(32, activation="relu"),
+    ...     DenseDVI(32, activation="relu"),
+    ...     DenseDVI(2),
+    ... ])
+    >>> mean, cov = keras_dvi.unpack(model(x), covariance="full")  # (B, 2), (B, 2, 2)
+    """
+
+    def __init__(self, units, activation=None, covariance_approximation="paper", **kwargs):
+        super().__init__(units, activation=activation, **kwargs)
+        self.covariance_approximation = moments.canonical_method(covariance_approximation)
+
+    def compute_output_shape(self, input_shape):
+        kind, _ = packing.structure_of_shape(input_shape)
+        if kind == packing.DETERMINISTIC:
+            return packing.packed_shape(input_shape, self.units, full=False)
+        return packing.packed_shape(input_shape, self.units, full=True)
+
+    def _moments(self, mean, second, kind):
+        kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
+        mean_a, second_a, diagonal = moments.linear_moments(
+            mean,
+            kernel_mean,
+            kernel_var,
+            bias_mean,
+            bias_var,
+            variance=second if kind == packing.DIAGONAL else None,
+            covariance=second if kind == packing.FULL else None,
+            full_output=True,
+        )
+        if diagonal:
+            return moments.activation_moments(mean_a, second_a, self.activation)
+        return moments.activation_covariance(
+            mean_a, second_a, self.activation, self.covariance_approximation
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config["covariance_approximation"] = self.covariance_approximation
+        return config

@@ -1,0 +1,439 @@
+"""Closed-form moment propagation: the pure mathematics behind every keras-dvi layer.
+
+Everything here is a stateless function of tensors written with `keras.ops`, vectorised over
+any leading batch axes. The layers in `keras_dvi.layers` only hold variables and call these
+functions; tests check each function against an independent oracle (closed form, quadrature
+or Monte Carlo).
+
+Notation (Wu et al., ICLR 2019, Section 3, and `shared/notes/math.md`): a pre-activation
+vector `a` is Gaussian with mean `m` and covariance `S`; `h = f(a)` is the activation.
+`mu_j = m_j / sqrt(S_jj)`, `rho = S_jl / sqrt(S_jj S_ll)`, `rho_bar = sqrt(1 - rho^2)`.
+
+Numerical design (tested at the edges):
+
+* Moments are written in unnormalised form (`m`, `sqrt(S)`, `S_jl`), so `mu` only appears
+  inside saturating functions (`phi`, `Phi`, `exp(-...)`). Clipping `mu` to +-`_MU_MAX` is
+  then exact to machine precision and the deterministic limit `S -> 0` is reached with finite
+  values and gradients.
+* Variances are floored at `_VAR_FLOOR` before their square root; correlations are clipped
+  strictly inside (-1, 1) before `arcsin` and `sqrt(1 - rho^2)`.
+* The 0/0 forms of the paper's correction at `rho -> 0` are evaluated by series, so a
+  correlation of exactly zero (every layer after a deterministic input) has finite
+  gradients.
+* Covariances of activations are computed as sums of terms that vanish with the covariance
+  (no `E[h_j h_l] - E[h_j] E[h_l]` cancellation), which matters in float32 for large means.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+# --------------------------------------------------------------------------------------------
+# Constants and small helpers
+# --------------------------------------------------------------------------------------------
+
+#: Activations with closed-form moments. `None` and `"linear"` mean the identity.
+ACTIVATIONS = ("linear", "relu", "heaviside")
+#: Methods for the cross moments of two units through a nonlinearity.
+COVARIANCE_APPROXIMATIONS = ("paper", "exact")
+
+_MU_MAX = 60.0  # phi(60) underflows to 0 and Phi(60) == 1 in float64: clipping is exact.
+_VAR_FLOOR = 1e-30  # variances below this are treated as this (std 1e-15).
+_SQRT_2PI = math.sqrt(2.0 * math.pi)
+_TWO_PI = 2.0 * math.pi
+_SQRT_HALF = math.sqrt(0.5)
+
+
+def _rho_eps(dtype):
+    return 1e-6 if keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16", "float32") else 1e-10
+
+
+def canonical_activation(activation):
+    """Returns the canonical name of a supported activation, or raises `ValueError`.
+
+    Args:
+        activation: `None`, `"linear"`, `"relu"` or `"heaviside"` (case-insensitive).
+            `keras.activations.relu` and `keras.activations.linear` are accepted too.
+
+    Returns:
+        One of `ACTIVATIONS`.
+    """
+    if activation is None:
+        return "linear"
+    if callable(activation):
+        activation = getattr(activation, "__name__", repr(activation))
+    if isinstance(activation, str):
+        name = activation.lower()
+        if name in ACTIVATIONS:
+            return name
+    raise ValueError(
+        f"Argument `activation` must be one of None, {', '.join(repr(a) for a in ACTIVATIONS)}: "
+        f"only these have closed-form Gaussian moments. Received: activation={activation!r}"
+    )
+
+
+def canonical_method(method):
+    """Validates a `covariance_approximation` name (`"paper"` or `"exact"`)."""
+    if isinstance(method, str) and method.lower() in COVARIANCE_APPROXIMATIONS:
+        return method.lower()
+    raise ValueError(
+        "Argument `covariance_approximation` must be one of "
+        f"{', '.join(repr(m) for m in COVARIANCE_APPROXIMATIONS)}. "
+        f"Received: covariance_approximation={method!r}"
+    )
+
+
+def normal_pdf(x):
+    """Standard normal density `phi(x)`."""
+    return ops.exp(-0.5 * ops.square(x)) / _SQRT_2PI
+
+
+def normal_cdf(x):
+    """Standard normal distribution function `Phi(x)`, accurate in both tails."""
+    return 0.5 * ops.erfc(-x * _SQRT_HALF)
+
+
+def _safe_std(variance):
+    return ops.sqrt(ops.maximum(variance, _VAR_FLOOR))
+
+
+def _standardise(mean, std):
+    return ops.clip(mean / std, -_MU_MAX, _MU_MAX)
+
+
+def _cdf_difference(a, b):
+    """`Phi(a) - Phi(b)` computed from whichever tails are small (no cancellation)."""
+    upper = a + b > 0
+    return ops.where(upper, normal_cdf(-b) - normal_cdf(-a), normal_cdf(a) - normal_cdf(b))
+
+
+def _series(x2, coefficients):
+    """Horner evaluation of sum_k c_k x2^k."""
+    out = ops.zeros_like(x2) + coefficients[-1]
+    for c in reversed(coefficients[:-1]):
+        out = out * x2 + c
+    return out
+
+
+# Taylor coefficients of K(rho) = (arcsin(rho) - rho) / rho^3 in powers of rho^2.
+_ASIN_K_SERIES = (1.0 / 6.0, 3.0 / 40.0, 5.0 / 112.0, 35.0 / 1152.0, 63.0 / 2816.0, 231.0 / 13312.0)
+_SERIES_THRESHOLD = 0.1
+
+
+def _arcsin_cubic_remainder(rho):
+    """`K(rho) = (arcsin(rho) - rho) / rho^3`, finite with finite gradient at `rho = 0`."""
+    small = ops.abs(rho) < _SERIES_THRESHOLD
+    rho_safe = ops.where(small, ops.ones_like(rho), rho)
+    direct = (ops.arcsin(rho_safe) - rho_safe) / (rho_safe * rho_safe * rho_safe)
+    return ops.where(small, _series(ops.square(rho), _ASIN_K_SERIES), direct)
+
+
+def clip_correlation(rho):
+    """Clips correlations strictly inside (-1, 1) (by 1e-6 in float32, 1e-10 in float64)."""
+    eps = _rho_eps(rho.dtype)
+    return ops.clip(rho, -1.0 + eps, 1.0 - eps)
+
+
+# --------------------------------------------------------------------------------------------
+# One unit through the activation (math.md section 2): exact
+# --------------------------------------------------------------------------------------------
+
+
+def activation_moments(mean, variance, activation):
+    """Mean and variance of `f(a)` for independent Gaussian units `a ~ N(mean, variance)`.
+
+    Implements the exact one-unit moments of Wu et al. (2019), Table 1 / eq. (5) diagonal
+    terms, for ReLU `E[h] = sqrt(S) SR(mu)` and Heaviside `E[h] = Phi(mu)`. The variance is
+    returned directly (not as `E[h^2] - E[h]^2`), computed without cancellation, and is
+    never negative.
+
+    Args:
+        mean: tensor of pre-activation means, any shape.
+        variance: tensor of pre-activation variances (>= 0), same shape.
+        activation: name accepted by `canonical_activation`.
+
+    Returns:
+        Tuple `(mean_h, variance_h)` with the shape of `mean`.
+    """
+    activation = canonical_activation(activation)
+    if activation == "linear":
+        return mean, variance
+    std = _safe_std(variance)
+    mu = _standardise(mean, std)
+    pdf = normal_pdf(mu)
+    cdf = normal_cdf(mu)
+    if activation == "relu":
+        mean_h = std * pdf + mean * cdf
+        # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2, with Q = Phi(-mu): each term is
+        # accurate in both tails (the leading 1 or the leading tail term dominates).
+        upper = normal_cdf(-mu)
+        ratio = cdf + ops.square(mu) * cdf * upper + mu * pdf * (upper - cdf) - ops.square(pdf)
+        variance_h = ops.maximum(variance, 0.0) * ops.maximum(ratio, 0.0)
+        return mean_h, variance_h
+    # heaviside: Bernoulli(Phi(mu)).
+    return cdf, cdf * normal_cdf(-mu)
+
+
+def expected_derivative(mean, variance, activation):
+    """`E[f'(a)]` for `a ~ N(mean, variance)`: the Stein's-lemma factor of skip connections.
+
+    ReLU: `Phi(mu)`; Heaviside: `phi(mu) / sqrt(S)` (math.md section 4; the paper's
+    Appendix C.1 prints `1 / S`, which is dimensionally wrong); linear: 1.
+    """
+    activation = canonical_activation(activation)
+    if activation == "linear":
+        return ops.ones_like(mean)
+    std = _safe_std(variance)
+    mu = _standardise(mean, std)
+    if activation == "relu":
+        return normal_cdf(mu)
+    return normal_pdf(mu) / std
+
+
+# --------------------------------------------------------------------------------------------
+# Two units through the activation (math.md section 3)
+# --------------------------------------------------------------------------------------------
+
+
+def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l):
+    # Cov = S_jl Phi_j Phi_l + std_j std_l * (rho g / 2 pi) exp(-c1 (mu_j^2 + mu_l^2) + c2 mu_j mu_l)
+    # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)),
+    # c2 = rho K / G, K = (arcsin(rho) - rho)/rho^3: the corrected Table 1 (math.md).
+    rho_bar = ops.sqrt(1.0 - ops.square(rho))
+    k = _arcsin_cubic_remainder(rho)
+    g_over_rho = 1.0 + ops.square(rho) * k - 1.0 / (1.0 + rho_bar)
+    c1 = 0.5 / (g_over_rho * (1.0 + rho_bar))
+    c2 = rho * k / g_over_rho
+    exponent = -c1 * (ops.square(mu_j) + ops.square(mu_l)) + c2 * mu_j * mu_l
+    correction = std_j * std_l * ops.square(rho) * g_over_rho / _TWO_PI * ops.exp(exponent)
+    return cov_jl * normal_cdf(mu_j) * normal_cdf(mu_l) + correction
+
+
+def _paper_heaviside_covariance(rho, mu_j, mu_l):
+    # Cov = (arcsin(rho) / 2 pi) exp(-(r / (2 rho_bar)) (mu_j^2 + mu_l^2)
+    #                                 + (r rho / (rho_bar (1 + rho_bar))) mu_j mu_l),
+    # r = rho / arcsin(rho) (math.md section 3; even in rho, -> 1 as rho -> 0).
+    rho_bar = ops.sqrt(1.0 - ops.square(rho))
+    asinc = 1.0 + ops.square(rho) * _arcsin_cubic_remainder(rho)  # arcsin(rho) / rho
+    r = 1.0 / asinc
+    exponent = -(r / (2.0 * rho_bar)) * (ops.square(mu_j) + ops.square(mu_l)) + (
+        r * rho / (rho_bar * (1.0 + rho_bar))
+    ) * mu_j * mu_l
+    return rho * asinc / _TWO_PI * ops.exp(exponent)
+
+
+def _owens_t(h, a):
+    # Owen's T from TensorFlow Probability, imported on first use only (it takes seconds).
+    if keras.backend.backend() != "tensorflow":
+        raise NotImplementedError(
+            'covariance_approximation="exact" needs Owen\'s T from TensorFlow Probability and '
+            f"therefore the TensorFlow backend; the current Keras backend is "
+            f"{keras.backend.backend()!r}. Use covariance_approximation=\"paper\"."
+        )
+    import tensorflow_probability as tfp  # noqa: PLC0415 (lazy on purpose)
+
+    return tfp.math.owens_t(h, a)
+
+
+def bivariate_normal_cdf_excess(h, k, rho):
+    """`Phi2(h, k; rho) - Phi(h) Phi(k)`, the covariance of two Heaviside units.
+
+    Uses Owen's T (`tfp.math.owens_t`):
+    `Phi2(h, k; rho) = Phi(h)/2 + Phi(k)/2 - T(h, a_h) - T(k, a_k) - beta` (math.md section 3),
+    evaluated on the side (`(h, k)` or `(-h, -k)`, which give the same excess) where the
+    probabilities are small, so there is no cancellation. `h = 0` or `k = 0` is shifted by a
+    negligible amount away from zero (`Phi2` is continuous there).
+
+    Args:
+        h, k: standardised means, broadcastable tensors.
+        rho: correlation, strictly inside (-1, 1) (see `clip_correlation`).
+
+    Returns:
+        The excess, shape of the broadcast inputs. Requires the TensorFlow backend.
+    """
+    flip = h + k > 0
+    h = ops.where(flip, -h, h)
+    k = ops.where(flip, -k, k)
+    eps = _rho_eps(h.dtype) * 1e-3
+    h = h + ops.where(h >= 0, eps, -eps)
+    k = k + ops.where(k >= 0, eps, -eps)
+    rho_bar = ops.sqrt(1.0 - ops.square(rho))
+    a_h = ops.clip((k - rho * h) / (h * rho_bar), -1e8, 1e8)
+    a_k = ops.clip((h - rho * k) / (k * rho_bar), -1e8, 1e8)
+    beta = ops.where(h * k > 0, ops.zeros_like(h), 0.5 * ops.ones_like(h))
+    cdf_h = normal_cdf(h)
+    cdf_k = normal_cdf(k)
+    phi2 = 0.5 * cdf_h + 0.5 * cdf_k - _owens_t(h, a_h) - _owens_t(k, a_k) - beta
+    return phi2 - cdf_h * cdf_k
+
+
+def _exact_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l):
+    # Closed form of E[relu(a_j) relu(a_l)] (math.md section 3) minus E[h_j] E[h_l], regrouped
+    # so that every bracket vanishes with the covariance:
+    # Cov = m_j m_l D + S_jl Phi2 + m_j s_l phi_l (Phi(alpha_jl) - Phi_j)
+    #       + m_l s_j phi_j (Phi(alpha_lj) - Phi_l) + s_j s_l (rho_bar e^{-q/2} - e^{-(mu_j^2+mu_l^2)/2}) / 2pi
+    rho_bar = ops.sqrt(1.0 - ops.square(rho))
+    excess = bivariate_normal_cdf_excess(mu_j, mu_l, rho)
+    phi2 = excess + normal_cdf(mu_j) * normal_cdf(mu_l)
+    alpha_jl = (mu_j - rho * mu_l) / rho_bar
+    alpha_lj = (mu_l - rho * mu_j) / rho_bar
+    q = (ops.square(mu_j) - 2.0 * rho * mu_j * mu_l + ops.square(mu_l)) / ops.square(rho_bar)
+    last = rho_bar * ops.exp(-0.5 * q) - ops.exp(-0.5 * (ops.square(mu_j) + ops.square(mu_l)))
+    return (
+        mean_j * mean_l * excess
+        + cov_jl * phi2
+        + mean_j * std_l * normal_pdf(mu_l) * _cdf_difference(alpha_jl, mu_j)
+        + mean_l * std_j * normal_pdf(mu_j) * _cdf_difference(alpha_lj, mu_l)
+        + std_j * std_l * last / _TWO_PI
+    )
+
+
+def cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, activation, method="paper"):
+    """`Cov(f(a_j), f(a_l))` for two jointly Gaussian units, elementwise with broadcasting.
+
+    `method="paper"`: the asymptote plus Gaussian-shaped correction of Wu et al. (2019),
+    eqs. (6)-(7), with the **corrected** Table 1 of math.md section 3 (largest error in the
+    normalised cross moment 0.0095 for ReLU, 0.060 for Heaviside). `method="exact"`: the
+    bivariate normal closed form through Owen's T (no approximation; needs TensorFlow).
+
+    Args:
+        mean_j, mean_l: means of the two pre-activations.
+        var_j, var_l: their variances (>= 0).
+        cov_jl: their covariance.
+        activation: `"linear"`, `"relu"` or `"heaviside"` (or `None`).
+        method: `"paper"` or `"exact"`.
+
+    Returns:
+        The covariance of the two activations, shape of the broadcast inputs. Correlations
+        are clipped strictly inside (-1, 1) first.
+    """
+    activation = canonical_activation(activation)
+    method = canonical_method(method)
+    if activation == "linear":
+        return cov_jl + ops.zeros_like(mean_j) + ops.zeros_like(mean_l)
+    std_j = _safe_std(var_j)
+    std_l = _safe_std(var_l)
+    mu_j = _standardise(mean_j, std_j)
+    mu_l = _standardise(mean_l, std_l)
+    rho = clip_correlation(cov_jl / (std_j * std_l))
+    if activation == "relu":
+        fn = _paper_relu_covariance if method == "paper" else _exact_relu_covariance
+        return fn(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l)
+    if method == "paper":
+        return _paper_heaviside_covariance(rho, mu_j, mu_l)
+    return bivariate_normal_cdf_excess(mu_j, mu_l, rho)
+
+
+def activation_covariance(mean, covariance, activation, method="paper"):
+    """Mean and full covariance of `h = f(a)` for `a ~ N(mean, covariance)`.
+
+    The diagonal is the exact variance of `activation_moments`; off-diagonal entries come
+    from `cross_covariance` (Wu et al. 2019, eqs. 5-7, corrected Table 1, or `"exact"`).
+
+    Args:
+        mean: `(..., K)` pre-activation means.
+        covariance: `(..., K, K)` symmetric positive semi-definite covariances.
+        activation: `"linear"`, `"relu"` or `"heaviside"` (or `None`).
+        method: `"paper"` or `"exact"`.
+
+    Returns:
+        `(mean_h (..., K), covariance_h (..., K, K))`.
+    """
+    activation = canonical_activation(activation)
+    if activation == "linear":
+        return mean, covariance
+    variance = ops.diagonal(covariance, axis1=-2, axis2=-1)
+    mean_h, var_h = activation_moments(mean, variance, activation)
+    off = cross_covariance(
+        mean[..., :, None],
+        mean[..., None, :],
+        variance[..., :, None],
+        variance[..., None, :],
+        covariance,
+        activation,
+        method,
+    )
+    units = ops.shape(mean)[-1]
+    eye = ops.eye(units, dtype="bool")
+    cov_h = ops.where(eye, var_h[..., :, None] * ops.ones_like(off), off)
+    # Symmetrise: the paper's correction is symmetric analytically, rounding is not.
+    cov_h = 0.5 * (cov_h + ops.swapaxes(cov_h, -1, -2))
+    return mean_h, cov_h
+
+
+# --------------------------------------------------------------------------------------------
+# Linear map with factorised Gaussian weights (math.md section 1)
+# --------------------------------------------------------------------------------------------
+
+
+def linear_moments(
+    mean,
+    kernel_mean,
+    kernel_variance,
+    bias_mean=None,
+    bias_variance=None,
+    variance=None,
+    covariance=None,
+    full_output=True,
+):
+    """Moments of `a = h W + b` with independent factorised Gaussian `W`, `b` and `h`.
+
+    Wu et al. (2019), eqs. (3)-(4) (math.md section 1):
+    `E[a] = E[h] M + b_m`, `Cov(a) = diag(E[h*h] V + b_v) + M^T Cov(h) M`.
+
+    Give at most one of `variance` (diagonal `Cov(h)`) and `covariance` (full `Cov(h)`);
+    with neither, `h` is deterministic and `Cov(a)` is diagonal.
+
+    Args:
+        mean: `(batch, in)` mean of `h` (or the deterministic input).
+        kernel_mean: `(in, units)` posterior means `M`.
+        kernel_variance: `(in, units)` posterior variances `V` (>= 0).
+        bias_mean: `(units,)` or `None` (no bias).
+        bias_variance: `(units,)` or `None`.
+        variance: `(batch, in)` variances of `h`, or `None`.
+        covariance: `(batch, in, in)` covariances of `h`, or `None`.
+        full_output: `True` for the `(batch, units, units)` covariance; `False` for the
+            `(batch, units)` variances only (the paper's dDVI, exact diagonal).
+
+    Returns:
+        `(mean_a, second_a, is_diagonal)`: `second_a` is the `(batch, units, units)`
+        covariance when `is_diagonal` is `False`, else the `(batch, units)` variances. The
+        output is diagonal when `full_output=False` or when `h` is deterministic (units are
+        then independent, exactly).
+    """
+    mean_a = ops.matmul(mean, kernel_mean)
+    second = ops.square(mean)
+    if variance is not None:
+        second = second + variance
+    elif covariance is not None:
+        second = second + ops.diagonal(covariance, axis1=-2, axis2=-1)
+    var_a = ops.matmul(second, kernel_variance)
+    if bias_mean is not None:
+        mean_a = mean_a + bias_mean
+    if bias_variance is not None:
+        var_a = var_a + bias_variance
+    if variance is None and covariance is None:
+        return mean_a, var_a, True
+    if not full_output:
+        if variance is not None:
+            var_a = var_a + ops.matmul(variance, ops.square(kernel_mean))
+        else:
+            projected = ops.matmul(covariance, kernel_mean)  # (batch, in, units)
+            var_a = var_a + ops.sum(projected * kernel_mean, axis=-2)
+        return mean_a, var_a, True
+    if variance is not None:
+        # M^T diag(v) M = (M * v)^T M: O(batch in units^2), no (in, in) matrices.
+        scaled = variance[..., :, None] * kernel_mean  # (batch, in, units)
+        cov_a = ops.einsum("ju,bjk->buk", kernel_mean, scaled)
+    else:
+        projected = ops.matmul(covariance, kernel_mean)  # (batch, in, units)
+        cov_a = ops.einsum("ju,bjk->buk", kernel_mean, projected)
+    cov_a = cov_a + diag_embed(var_a)
+    return mean_a, cov_a, False
+
+
+def diag_embed(variance):
+    """`(..., K)` variances to `(..., K, K)` diagonal covariance matrices."""
+    units = ops.shape(variance)[-1]
+    return variance[..., :, None] * ops.eye(units, dtype=variance.dtype)

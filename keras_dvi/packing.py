@@ -1,0 +1,141 @@
+"""How Gaussian moments travel between keras-dvi layers and reach losses.
+
+Keras 3 hands a loss each model output separately, never a tuple, so every keras-dvi layer
+returns ONE tensor that packs the mean and the (co)variance along axis 1:
+
+* full covariance: shape `(batch, K + 1, K)`: row 0 is the mean, rows 1..K the covariance;
+* diagonal: shape `(batch, 2, K)`: row 0 is the mean, row 1 the variances.
+
+The two forms are told apart by shape alone (for `K = 1` they coincide and mean the same
+thing). A layer also accepts a deterministic `(batch, K)` tensor, or an explicit pair
+`(mean, covariance)` / `(mean, variance)`. `unpack` turns any of these back into tensors.
+"""
+
+from keras import ops
+
+from keras_dvi import moments
+
+DETERMINISTIC = "deterministic"
+DIAGONAL = "diagonal"
+FULL = "full"
+
+
+def pack(mean, second):
+    """Packs `(mean (B, K), covariance (B, K, K) or variance (B, K))` into one tensor."""
+    if len(second.shape) == 3:
+        return ops.concatenate([mean[:, None, :], second], axis=1)
+    return ops.stack([mean, second], axis=1)
+
+
+def packed_shape(input_shape, units, full):
+    """Shape of a packed output with `units` features, batch size taken from `input_shape`."""
+    nested = isinstance(input_shape, (list, tuple)) and isinstance(input_shape[0], (list, tuple))
+    batch = input_shape[0][0] if nested else input_shape[0]
+    return (batch, units + 1 if full else 2, units)
+
+
+def _static_dim(shape, axis):
+    dim = shape[axis]
+    return None if dim is None else int(dim)
+
+
+def structure_of_shape(shape, name="inputs"):
+    """Classifies a (possibly nested) input shape; returns `(kind, features)`.
+
+    `kind` is `DETERMINISTIC`, `DIAGONAL` or `FULL`; raises `ValueError` naming `name` for
+    anything else.
+    """
+    if isinstance(shape, (list, tuple)) and len(shape) == 2 and isinstance(shape[0], (list, tuple)):
+        mean_shape, second_shape = tuple(shape[0]), tuple(shape[1])
+        if len(mean_shape) != 2:
+            raise ValueError(
+                f"Argument `{name}`: the mean of a (mean, covariance) pair must have shape "
+                f"(batch, features); received mean shape {mean_shape}."
+            )
+        features = _static_dim(mean_shape, -1)
+        if len(second_shape) == 2:
+            expected, kind = (features,), DIAGONAL
+        elif len(second_shape) == 3:
+            expected, kind = (features, features), FULL
+        else:
+            expected, kind = None, None
+        if kind is None or tuple(second_shape[1:]) != expected:
+            raise ValueError(
+                f"Argument `{name}`: a (mean, covariance) pair needs a covariance of shape "
+                f"(batch, {features}, {features}) or variances of shape (batch, {features}) "
+                f"to match the mean of shape {mean_shape}; received {second_shape}."
+            )
+        return kind, features
+    shape = tuple(shape)
+    if len(shape) == 2:
+        return DETERMINISTIC, _static_dim(shape, -1)
+    if len(shape) == 3:
+        rows, features = _static_dim(shape, 1), _static_dim(shape, 2)
+        if rows == 2:
+            return DIAGONAL, features
+        if rows is not None and features is not None and rows == features + 1:
+            return FULL, features
+    raise ValueError(
+        f"Argument `{name}` must be a deterministic tensor of shape (batch, features), a packed "
+        "keras-dvi tensor of shape (batch, 2, features) (mean and variances) or "
+        "(batch, features + 1, features) (mean and covariance), or a pair (mean, covariance); "
+        f"received shape {shape}."
+    )
+
+
+def split(inputs, name="inputs"):
+    """Splits layer inputs into `(mean, second, kind)`.
+
+    `second` is `None` (deterministic), `(B, K)` variances (diagonal) or `(B, K, K)`
+    covariances (full). Validates shapes; raises `ValueError` naming `name`.
+    """
+    if isinstance(inputs, (list, tuple)):
+        if len(inputs) != 2:
+            raise ValueError(
+                f"Argument `{name}` given as a sequence must be a pair (mean, covariance); "
+                f"received {len(inputs)} tensors."
+            )
+        mean, second = inputs
+        kind, _ = structure_of_shape((tuple(mean.shape), tuple(second.shape)), name)
+        return mean, second, kind
+    kind, _ = structure_of_shape(tuple(inputs.shape), name)
+    if kind == DETERMINISTIC:
+        return inputs, None, kind
+    return inputs[:, 0, :], inputs[:, 1:, :] if kind == FULL else inputs[:, 1, :], kind
+
+
+def unpack(outputs, covariance="auto"):
+    """Returns `(mean, covariance_or_variance)` from the output of any keras-dvi layer or model.
+
+    Args:
+        outputs: a packed keras-dvi tensor (see the module docstring), a `(mean, covariance)`
+            pair, or a deterministic `(batch, K)` tensor (variance zero). NumPy arrays from
+            `model.predict` are accepted too.
+        covariance: `"auto"` returns what the tensor holds: `(batch, K, K)` covariances for a
+            full-covariance output, `(batch, K)` variances for a diagonal one (also when
+            `K = 1`); `"full"` always returns `(batch, K, K)`; `"diagonal"` always `(batch, K)`.
+
+    Returns:
+        `(mean (batch, K), covariance (batch, K, K) or variance (batch, K))`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((3,)), DenseDVI(8, "relu"), DenseDVI(2)])
+    >>> mean, cov = keras_dvi.unpack(model(x), covariance="full")
+    """
+    if covariance not in ("auto", "full", "diagonal"):
+        raise ValueError(
+            "Argument `covariance` must be 'auto', 'full' or 'diagonal'; "
+            f"received covariance={covariance!r}."
+        )
+    if not isinstance(outputs, (list, tuple)):
+        outputs = ops.convert_to_tensor(outputs)
+    mean, second, kind = split(outputs, name="outputs")
+    if kind == DETERMINISTIC:
+        second = ops.zeros_like(mean)
+        kind = DIAGONAL
+    if covariance == "full" and kind == DIAGONAL:
+        second = moments.diag_embed(second)
+    elif covariance == "diagonal" and kind == FULL:
+        second = ops.diagonal(second, axis1=-2, axis2=-1)
+    return mean, second
