@@ -19,8 +19,9 @@ class DenseDVI(DenseBase):
     Args:
         units: positive integer, output width.
         activation: `None` (linear), `"relu"` or `"heaviside"`.
-        covariance_approximation: `"paper"` (default, fast) or `"exact"` (Owen's T through
-            TensorFlow Probability; no approximation beyond the Gaussian assumption).
+        covariance_approximation: `"paper"` (default, fast) or `"exact"` (bivariate normal
+            closed form through Owen's T; no approximation beyond the Gaussian assumption,
+            and the covariance stays positive semi-definite).
         use_bias: whether to use a Bayesian bias.
         kernel_mean_initializer: initializer of the kernel posterior means.
         bias_mean_initializer: initializer of the bias posterior means.

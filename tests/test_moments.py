@@ -1,0 +1,349 @@
+"""The moment functions against independent oracles: quadrature, closed forms, Monte Carlo."""
+
+import functools
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import integrate, special, stats
+
+from keras_dvi import moments
+from tests.conftest import to_numpy
+
+GRID_MU = np.linspace(-3.0, 3.0, 7)
+RHO_CORE = [-0.9, -0.5, 0.1, 0.5, 0.9]
+RHO_WIDE = RHO_CORE + [-0.99, 0.99, -0.1]
+
+# ------------------------------------------------------------------ quadrature oracles
+
+
+def _relu(a):
+    return np.maximum(a, 0.0)
+
+
+def _heaviside(a):
+    return (a > 0).astype(float)
+
+
+@functools.lru_cache(maxsize=None)
+def quad_one_unit(activation, m, v):
+    """E[f(a)] and Var[f(a)] for a ~ N(m, v) by adaptive quadrature split at the kink."""
+    s = np.sqrt(v)
+    f = {"relu": _relu, "heaviside": _heaviside, "linear": lambda a: a}[activation]
+
+    def expect(g):
+        lo, hi = m - 12 * s, m + 12 * s
+        pts = [p for p in (0.0,) if lo < p < hi]
+        val, _ = integrate.quad(lambda a: g(a) * stats.norm.pdf(a, m, s), lo, hi, points=pts or None, epsabs=1e-13, epsrel=1e-12, limit=200)
+        return val
+
+    e1 = expect(lambda a: f(np.asarray(a)))
+    e2 = expect(lambda a: f(np.asarray(a)) ** 2)
+    return e1, e2 - e1**2
+
+
+def quad_cross(activation, mj, ml, vj, vl, rho):
+    """Cov(f(a_j), f(a_l)) by a 1-D quadrature over a_j of a closed-form inner expectation."""
+    sj, sl = np.sqrt(vj), np.sqrt(vl)
+    c = rho * sj * sl
+    cond_sd = sl * np.sqrt(1 - rho**2)
+
+    def inner(x):  # E[f(a_l) | a_j = x]
+        cm = ml + c / vj * (x - mj)
+        z = cm / cond_sd
+        if activation == "relu":
+            return cond_sd * stats.norm.pdf(z) + cm * stats.norm.cdf(z)
+        return stats.norm.cdf(z)
+
+    f = _relu if activation == "relu" else _heaviside
+    lo, hi = max(0.0, mj - 12 * sj), mj + 12 * sj
+    if hi <= lo:
+        joint = 0.0
+    else:
+        joint, _ = integrate.quad(lambda x: f(np.asarray(x)) * inner(x) * stats.norm.pdf(x, mj, sj), lo, hi, epsabs=1e-14, epsrel=1e-12, limit=400)
+    ej, _ = quad_one_unit(activation, mj, vj)
+    el, _ = quad_one_unit(activation, ml, vl)
+    return joint - ej * el
+
+
+def _grid(rhos, vj=1.0, vl=1.0):
+    rows = [(mj, ml, rho) for mj, ml, rho in itertools.product(GRID_MU, GRID_MU, rhos)]
+    mj, ml, rho = (np.array(c) for c in zip(*rows))
+    return mj * np.sqrt(vj), ml * np.sqrt(vl), rho
+
+
+def _cross(activation, method, mj, ml, vj, vl, rho, dtype="float64"):
+    cov = rho * np.sqrt(vj * vl)
+    args = [keras.ops.convert_to_tensor(np.broadcast_to(a, mj.shape), dtype) for a in (mj, ml, vj, vl, cov)]
+    return to_numpy(moments.cross_covariance(*args, activation, method))
+
+
+_ORACLE_CACHE = {}
+
+
+def _oracle(activation, mj, ml, vj, vl, rho):
+    key = (activation, vj, vl, tuple(rho))
+    if key not in _ORACLE_CACHE:
+        _ORACLE_CACHE[key] = np.array([quad_cross(activation, a, b, vj, vl, r) for a, b, r in zip(mj, ml, rho)])
+    return _ORACLE_CACHE[key]
+
+
+# ------------------------------------------------------------------ one unit
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "linear"])
+@pytest.mark.parametrize("variance", [0.04, 1.0, 6.25])
+def test_one_unit_moments_match_quadrature(activation, variance, floatx):
+    means = np.linspace(-3, 3, 13) * np.sqrt(variance)
+    oracle = np.array([quad_one_unit(activation, m, variance) for m in means])
+    mean_h, var_h = moments.activation_moments(
+        keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(np.full_like(means, variance), floatx), activation
+    )
+    tol = 1e-10 if floatx == "float64" else 2e-6
+    scale = max(1.0, variance)
+    np.testing.assert_allclose(to_numpy(mean_h), oracle[:, 0], atol=tol * scale)
+    np.testing.assert_allclose(to_numpy(var_h), oracle[:, 1], atol=tol * scale)
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+def test_expected_derivative_matches_closed_form(activation):
+    means = np.linspace(-3, 3, 13)
+    variance = 2.0
+    got = to_numpy(moments.expected_derivative(keras.ops.convert_to_tensor(means, "float64"), keras.ops.convert_to_tensor(np.full_like(means, variance), "float64"), activation))
+    sd = np.sqrt(variance)
+    want = stats.norm.sf(0, means, sd) if activation == "relu" else stats.norm.pdf(0, means, sd)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_deterministic_limit_is_the_activation():
+    means = keras.ops.convert_to_tensor([-40.0, -2.0, -1e-3, 1e-3, 2.0, 40.0])
+    for variance in (0.0, 1e-12):
+        var = keras.ops.full_like(means, variance)
+        mean_h, var_h = moments.activation_moments(means, var, "relu")
+        np.testing.assert_allclose(to_numpy(mean_h), np.maximum(to_numpy(means), 0), atol=1e-6)
+        assert (to_numpy(var_h) >= 0).all() and (to_numpy(var_h) <= 1e-11).all()
+
+
+# ------------------------------------------------------------------ two units
+
+
+@pytest.mark.parametrize(
+    "activation, rhos, bound, asymptote_error",
+    [
+        ("relu", RHO_CORE, 0.0037, 0.07),
+        ("relu", RHO_WIDE, 0.0095, 0.085),
+        ("heaviside", RHO_CORE, 0.016, 0.17),
+        ("heaviside", RHO_WIDE, 0.060, 0.22),
+    ],
+)
+def test_paper_cross_moments_within_stated_error(activation, rhos, bound, asymptote_error):
+    """Corrected Table 1 (math.md section 3) within the bounds stated there, on its grid."""
+    mj, ml, rho = _grid(rhos)
+    oracle = _oracle(activation, mj, ml, 1.0, 1.0, rho)
+    got = _cross(activation, "paper", mj, ml, 1.0, 1.0, rho)
+    assert np.abs(got - oracle).max() <= bound * 1.02 + 1e-6
+    # The grid is discriminative: the asymptote alone (no correction) misses by far more.
+    cdf = stats.norm.cdf
+    asymptote = rho * cdf(mj) * cdf(ml) if activation == "relu" else np.zeros_like(rho)
+    assert np.abs(asymptote - oracle).max() >= asymptote_error
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+@pytest.mark.parametrize("variances", [(1.0, 1.0), (0.3, 2.5)])
+def test_exact_cross_moments_match_quadrature(activation, variances):
+    vj, vl = variances
+    mj, ml, rho = _grid(RHO_WIDE, vj, vl)
+    oracle = _oracle(activation, mj, ml, vj, vl, rho)
+    got = _cross(activation, "exact", mj, ml, vj, vl, rho)
+    np.testing.assert_allclose(got, oracle, atol=1e-8)
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+def test_paper_cross_moments_scale_with_variances(activation):
+    """With unequal variances the error is the unit-variance error times the scale."""
+    vj, vl = 0.3, 2.5
+    mj, ml, rho = _grid(RHO_CORE, vj, vl)
+    oracle = _oracle(activation, mj, ml, vj, vl, rho)
+    got = _cross(activation, "paper", mj, ml, vj, vl, rho)
+    scale = np.sqrt(vj * vl) if activation == "relu" else 1.0
+    bound = 0.0037 if activation == "relu" else 0.016
+    assert np.abs(got - oracle).max() <= bound * scale * 1.02
+
+
+@pytest.mark.parametrize("method", ["paper", "exact"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+def test_cross_moments_float32_close_to_float64(activation, method):
+    mj, ml, rho = _grid(RHO_WIDE)
+    f64 = _cross(activation, method, mj, ml, 1.0, 1.0, rho, "float64")
+    f32 = _cross(activation, method, mj, ml, 1.0, 1.0, rho, "float32")
+    np.testing.assert_allclose(f32, f64, atol=2e-5)
+
+
+def _random_covariance(rng, batch, k):
+    a = rng.normal(size=(batch, k, k))
+    cov = a @ np.swapaxes(a, -1, -2) / k + 1e-3 * np.eye(k)
+    return cov
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "linear"])
+def test_activation_covariance_assembles_cross_and_diagonal_terms(activation):
+    rng = np.random.default_rng(0)
+    mean = rng.normal(size=(3, 5))
+    cov = _random_covariance(rng, 3, 5)
+    mean_h, cov_h = moments.activation_covariance(keras.ops.convert_to_tensor(mean), keras.ops.convert_to_tensor(cov), activation, "exact")
+    mean_h, cov_h = to_numpy(mean_h), to_numpy(cov_h)
+    for b, j, l in [(0, 0, 1), (1, 2, 4), (2, 3, 3), (2, 4, 1)]:
+        vj, vl = cov[b, j, j], cov[b, l, l]
+        if activation == "linear":
+            want_cov = cov[b, j, l]
+        elif j == l:
+            want_cov = quad_one_unit(activation, mean[b, j], vj)[1]
+        else:
+            want_cov = quad_cross(activation, mean[b, j], mean[b, l], vj, vl, cov[b, j, l] / np.sqrt(vj * vl))
+        np.testing.assert_allclose(cov_h[b, j, l], want_cov, atol=1e-8)
+        want_mean = mean[b, j] if activation == "linear" else quad_one_unit(activation, mean[b, j], vj)[0]
+        np.testing.assert_allclose(mean_h[b, j], want_mean, atol=1e-8)
+    np.testing.assert_allclose(cov_h, np.swapaxes(cov_h, -1, -2), atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+def test_exact_covariance_is_positive_semidefinite(activation):
+    rng = np.random.default_rng(1)
+    mean = 2 * rng.normal(size=(20, 8))
+    cov = _random_covariance(rng, 20, 8) * rng.uniform(0.1, 5, size=(20, 1, 1))
+    _, cov_h = moments.activation_covariance(keras.ops.convert_to_tensor(mean), keras.ops.convert_to_tensor(cov), activation, "exact")
+    eig = np.linalg.eigvalsh(to_numpy(cov_h))
+    assert eig.min() >= -1e-10 * eig.max()
+
+
+# ------------------------------------------------------------------ edges: values and gradients
+
+EDGE_MEANS = [-40.0, -1.0, 0.0, 1.0, 40.0]
+EDGE_VARS = [0.0, 1e-12, 1.0]
+EDGE_RHOS = [0.0, 1 - 1e-6, -(1 - 1e-6), 0.3]
+
+
+def _edge_grid():
+    rows = list(itertools.product(EDGE_MEANS, EDGE_MEANS, EDGE_VARS, EDGE_VARS, EDGE_RHOS))
+    return [np.array(c) for c in zip(*rows)]
+
+
+@pytest.mark.parametrize("method", ["paper", "exact"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "linear"])
+def test_cross_covariance_finite_values_and_gradients_at_edges(activation, method, floatx):
+    mj, ml, vj, vl, rho = _edge_grid()
+    cov = rho * np.sqrt(vj * vl)
+    tensors = [tf.Variable(a, dtype=floatx) for a in (mj, ml, vj, vl, cov)]
+    with tf.GradientTape() as tape:
+        out = moments.cross_covariance(*tensors, activation, method)
+        mean_j, var_j = moments.activation_moments(tensors[0], tensors[2], activation)
+        total = tf.reduce_sum(out) + tf.reduce_sum(mean_j) + tf.reduce_sum(var_j)
+    grads = tape.gradient(total, tensors, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    assert np.isfinite(to_numpy(out)).all()
+    for g in grads:
+        assert g is not None and np.isfinite(to_numpy(g)).all()
+    out = to_numpy(out)
+    # Deterministic units have zero covariance (a Heaviside unit at mean exactly 0 is a fair
+    # coin whatever its variance, so it is left out); for ReLU with both means +40 and unit
+    # variances the units are (almost surely) linear, so the covariance is S_jl itself.
+    deterministic = (vj == 0) | (vl == 0) | (vj == 1e-12) | (vl == 1e-12)
+    if activation == "heaviside":
+        deterministic &= (mj != 0) & (ml != 0)
+    assert np.abs(out[deterministic]).max() <= 1e-5
+    if activation == "relu":
+        linear_regime = (mj == 40) & (ml == 40) & (vj == 1) & (vl == 1)
+        np.testing.assert_allclose(out[linear_regime], cov[linear_regime], atol=1e-5)
+
+
+def test_zero_correlation_means_zero_covariance_for_every_method():
+    rng = np.random.default_rng(2)
+    mj, ml = rng.normal(size=(2, 50)) * 2
+    vj, vl = rng.uniform(0.1, 3, size=(2, 50))
+    for activation in ("relu", "heaviside"):
+        for method in ("paper", "exact"):
+            got = _cross(activation, method, mj, ml, vj, vl, np.zeros(50))
+            np.testing.assert_allclose(got, 0.0, atol=1e-12)
+
+
+# ------------------------------------------------------------------ linear map: Monte Carlo
+
+
+def _mc_linear(rng, n, mean_h, cov_h, kernel_mean, kernel_var, bias_mean, bias_var):
+    h = rng.multivariate_normal(mean_h, cov_h, size=n) if cov_h is not None else np.broadcast_to(mean_h, (n, mean_h.size))
+    w = kernel_mean + np.sqrt(kernel_var) * rng.normal(size=(n,) + kernel_mean.shape)
+    b = bias_mean + np.sqrt(bias_var) * rng.normal(size=(n, bias_mean.size))
+    return np.einsum("ni,niu->nu", h, w) + b
+
+
+def _assert_moments_match_mc(samples, mean, cov, z=5.0):
+    n = samples.shape[0]
+    centred = samples - samples.mean(0)
+    se_mean = samples.std(0) / np.sqrt(n)
+    assert (np.abs(samples.mean(0) - mean) <= z * se_mean).all()
+    products = centred[:, :, None] * centred[:, None, :]
+    se_cov = products.std(0) / np.sqrt(n)
+    assert (np.abs(products.mean(0) - cov) <= z * se_cov + 1e-12).all()
+
+
+@pytest.mark.parametrize("structure", ["deterministic", "diagonal", "full"])
+@pytest.mark.parametrize("full_output", [True, False])
+def test_linear_moments_match_monte_carlo(structure, full_output):
+    rng = np.random.default_rng(3)
+    k_in, units, n = 4, 3, 200_000
+    kernel_mean = rng.normal(size=(k_in, units))
+    kernel_var = rng.uniform(0.05, 0.5, size=(k_in, units))
+    bias_mean, bias_var = rng.normal(size=units), rng.uniform(0.05, 0.5, size=units)
+    mean_h = rng.normal(size=k_in)
+    cov_h = {"deterministic": None, "diagonal": np.diag(rng.uniform(0.1, 2, k_in)), "full": _random_covariance(rng, 1, k_in)[0]}[structure]
+    kwargs = {}
+    if structure == "diagonal":
+        kwargs["variance"] = np.diag(cov_h)[None]
+    elif structure == "full":
+        kwargs["covariance"] = cov_h[None]
+    mean_a, second_a, diagonal = moments.linear_moments(mean_h[None], kernel_mean, kernel_var, bias_mean, bias_var, full_output=full_output, **kwargs)
+    samples = _mc_linear(rng, n, mean_h, cov_h, kernel_mean, kernel_var, bias_mean, bias_var)
+    second_a = to_numpy(second_a)[0]
+    assert diagonal == (structure == "deterministic" or not full_output)
+    cov = np.diag(second_a) if diagonal else second_a
+    if diagonal and structure != "deterministic":  # off-diagonal terms were dropped on purpose
+        mc_cov = np.cov(samples.T)
+        cov = cov + (mc_cov - np.diag(np.diag(mc_cov)))
+    _assert_moments_match_mc(samples, to_numpy(mean_a)[0], cov)
+
+
+# ------------------------------------------------------------------ Owen's T
+
+
+def test_owens_t_matches_scipy(floatx):
+    h = np.r_[np.linspace(-10, 10, 81), 1e-9, -40.0, 40.0]
+    a = np.r_[np.linspace(-30, 30, 121), 1e8, -1e8, 1e-9, 0.0, 1.0, -1.0]
+    hh, aa = np.meshgrid(h, a)
+    got = to_numpy(moments.owens_t(keras.ops.convert_to_tensor(hh, floatx), keras.ops.convert_to_tensor(aa, floatx)))
+    tol = 1e-15 if floatx == "float64" else 2e-7
+    np.testing.assert_allclose(got, special.owens_t(hh, aa), atol=tol)
+
+
+def test_owens_t_gradients_match_closed_form():
+    h = tf.Variable(np.linspace(-4, 4, 17)[:, None] + np.zeros((1, 9)))
+    a = tf.Variable(np.zeros((17, 1)) + np.array([-5, -1.5, -1, -0.3, 0, 0.3, 1, 1.5, 5.0]))
+    with tf.GradientTape() as tape:
+        t = tf.reduce_sum(moments.owens_t(h, a))
+    dh, da = tape.gradient(t, [h, a])
+    hv, av = h.numpy(), a.numpy()
+    # dT/da = exp(-h^2 (1 + a^2) / 2) / (2 pi (1 + a^2)); dT/dh = -phi(h) erf(a h / sqrt 2) / 2.
+    np.testing.assert_allclose(da.numpy(), np.exp(-0.5 * hv**2 * (1 + av**2)) / (2 * np.pi * (1 + av**2)), atol=1e-12)
+    np.testing.assert_allclose(dh.numpy(), -stats.norm.pdf(hv) * special.erf(av * hv / np.sqrt(2)) / 2, atol=1e-12)
+
+
+# ------------------------------------------------------------------ validation
+
+
+def test_unknown_activation_and_method_are_refused():
+    with pytest.raises(ValueError, match="activation"):
+        moments.canonical_activation("tanh")
+    with pytest.raises(ValueError, match="covariance_approximation"):
+        moments.canonical_method("fast")
+    assert moments.canonical_activation(None) == "linear"
+    assert moments.canonical_activation(keras.activations.relu) == "relu"
