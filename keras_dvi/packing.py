@@ -45,7 +45,13 @@ def structure_of_shape(shape, name="inputs"):
     `kind` is `DETERMINISTIC`, `DIAGONAL` or `FULL`; raises `ValueError` naming `name` for
     anything else.
     """
-    if isinstance(shape, (list, tuple)) and len(shape) == 2 and isinstance(shape[0], (list, tuple)):
+    nested = isinstance(shape, (list, tuple)) and any(isinstance(s, (list, tuple)) for s in shape)
+    if nested and len(shape) != 2:
+        raise ValueError(
+            f"Argument `{name}` given as a sequence must be a pair (mean, covariance); "
+            f"received {len(shape)} tensors."
+        )
+    if nested:
         mean_shape, second_shape = tuple(shape[0]), tuple(shape[1])
         if len(mean_shape) != 2:
             raise ValueError(
