@@ -109,25 +109,16 @@ def _cdf_difference(a, b):
     return ops.where(upper, normal_cdf(-b) - normal_cdf(-a), normal_cdf(a) - normal_cdf(b))
 
 
-def _series(x2, coefficients):
-    """Horner evaluation of sum_k c_k x2^k."""
-    out = ops.zeros_like(x2) + coefficients[-1]
-    for c in reversed(coefficients[:-1]):
-        out = out * x2 + c
-    return out
+def _coefficient_correlation(rho):
+    """`rho` moved away from 0 by at most 1e-3 (float32) / 1e-6 (float64), for the paper's
+    correction coefficients only, whose `rho -> 0` limits are 0/0 forms.
 
-
-# Taylor coefficients of K(rho) = (arcsin(rho) - rho) / rho^3 in powers of rho^2.
-_ASIN_K_SERIES = (1.0 / 6.0, 3.0 / 40.0, 5.0 / 112.0, 35.0 / 1152.0, 63.0 / 2816.0, 231.0 / 13312.0)
-_SERIES_THRESHOLD = 0.1
-
-
-def _arcsin_cubic_remainder(rho):
-    """`K(rho) = (arcsin(rho) - rho) / rho^3`, finite with finite gradient at `rho = 0`."""
-    small = ops.abs(rho) < _SERIES_THRESHOLD
-    rho_safe = ops.where(small, ops.ones_like(rho), rho)
-    direct = (ops.arcsin(rho_safe) - rho_safe) / (rho_safe * rho_safe * rho_safe)
-    return ops.where(small, _series(ops.square(rho), _ASIN_K_SERIES), direct)
+    The correction is multiplied by `rho^2`, so using this `rho` in its coefficients changes
+    the covariance by less than 1e-9 while keeping values and gradients finite at `rho = 0`
+    (every layer after a deterministic input); its prefactor uses the true `rho`.
+    """
+    tau = ops.cast(1e-3 if _rho_eps(rho.dtype) > 1e-8 else 1e-6, rho.dtype)
+    return ops.where(ops.abs(rho) < tau, tau, rho)
 
 
 def clip_correlation(rho):
@@ -198,17 +189,21 @@ def expected_derivative(mean, variance, activation):
 
 
 def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l):
-    # Cov = S_jl Phi_j Phi_l + std_j std_l * (rho g / 2 pi) exp(-c1 (mu_j^2 + mu_l^2) + c2 mu_j mu_l)
-    # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)),
-    # c2 = rho K / G, K = (arcsin(rho) - rho)/rho^3: the corrected Table 1 (math.md).
-    rho_bar = ops.sqrt(1.0 - ops.square(rho))
-    k = _arcsin_cubic_remainder(rho)
-    g_over_rho = 1.0 + ops.square(rho) * k - 1.0 / (1.0 + rho_bar)
-    c1 = 0.5 / (g_over_rho * (1.0 + rho_bar))
-    c2 = rho * k / g_over_rho
-    exponent = -c1 * (ops.square(mu_j) + ops.square(mu_l)) + c2 * mu_j * mu_l
-    correction = std_j * std_l * ops.square(rho) * g_over_rho / _TWO_PI * ops.exp(exponent)
-    return cov_jl * normal_cdf(mu_j) * normal_cdf(mu_l) + correction
+    # Cov = S_jl Phi_j Phi_l + std_j std_l (rho g / 2 pi) exp(-c1 (mu_j^2 + mu_l^2) + c2 mu_j mu_l)
+    # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)) and
+    # c2 = (arcsin(rho) - rho)/(g rho) = (arcsin(rho)/rho - 1)/(rho G): the corrected Table 1
+    # of math.md (note the minus sign in g and the factor rho in the prefactor).
+    rho2 = ops.square(rho)
+    one_plus_rho_bar = 1.0 + ops.sqrt(1.0 - rho2)
+    rho_c = _coefficient_correlation(rho)
+    asinc = ops.arcsin(rho_c) / rho_c
+    g_over_rho = asinc - 1.0 / one_plus_rho_bar
+    c1 = 0.5 / (g_over_rho * one_plus_rho_bar)
+    c2 = (asinc - 1.0) / (rho_c * g_over_rho)
+    exponent = c2 * mu_j * mu_l - c1 * (ops.square(mu_j) + ops.square(mu_l))
+    # std_j std_l rho^2 == S_jl rho (rho clipped only where that makes no difference).
+    correction = (cov_jl * rho) * (g_over_rho / _TWO_PI) * ops.exp(exponent)
+    return cov_jl * (normal_cdf(mu_j) * normal_cdf(mu_l)) + correction
 
 
 def _paper_heaviside_covariance(rho, mu_j, mu_l):
@@ -216,12 +211,12 @@ def _paper_heaviside_covariance(rho, mu_j, mu_l):
     #                                 + (r rho / (rho_bar (1 + rho_bar))) mu_j mu_l),
     # r = rho / arcsin(rho) (math.md section 3; even in rho, -> 1 as rho -> 0).
     rho_bar = ops.sqrt(1.0 - ops.square(rho))
-    asinc = 1.0 + ops.square(rho) * _arcsin_cubic_remainder(rho)  # arcsin(rho) / rho
-    r = 1.0 / asinc
-    exponent = -(r / (2.0 * rho_bar)) * (ops.square(mu_j) + ops.square(mu_l)) + (
-        r * rho / (rho_bar * (1.0 + rho_bar))
-    ) * mu_j * mu_l
-    return rho * asinc / _TWO_PI * ops.exp(exponent)
+    rho_c = _coefficient_correlation(rho)
+    r = rho_c / ops.arcsin(rho_c)
+    exponent = (r / rho_bar) * (
+        (rho / (1.0 + rho_bar)) * mu_j * mu_l - 0.5 * (ops.square(mu_j) + ops.square(mu_l))
+    )
+    return ops.arcsin(rho) / _TWO_PI * ops.exp(exponent)
 
 
 # Gauss-Legendre rule on [0, 1] for Owen's T; 16 nodes give 1e-16 absolute error (tested
@@ -387,12 +382,10 @@ def activation_covariance(mean, covariance, activation, method="paper"):
         activation,
         method,
     )
-    units = ops.shape(mean)[-1]
-    eye = ops.eye(units, dtype="bool")
-    cov_h = ops.where(eye, var_h[..., :, None] * ops.ones_like(off), off)
-    # Symmetrise: the paper's correction is symmetric analytically, rounding is not.
-    cov_h = 0.5 * (cov_h + ops.swapaxes(cov_h, -1, -2))
-    return mean_h, cov_h
+    # Replace the diagonal by the exact variances. The result is symmetric whenever
+    # `covariance` is: every formula is evaluated identically for (j, l) and (l, j).
+    off_diagonal = ops.diagonal(off, axis1=-2, axis2=-1)
+    return mean_h, off + diag_embed(var_h - off_diagonal)
 
 
 # --------------------------------------------------------------------------------------------
