@@ -2,16 +2,23 @@
 
 Public API:
 
-* layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI` (`keras_dvi.layers`);
+* layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`;
+* losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
+  `GaussianPriorRegularizer`; the `KLWarmup` callback;
 * `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
 * `sample_outputs(model, x, num_samples, seed)`: the Monte Carlo reference;
-* `keras_dvi.moments`: the closed-form moment functions the layers are built from.
+* modules `moments` (closed-form moment maths), `predictive` (predictive distributions and
+  metrics), `datasets` (bundled data).
 """
 
 __version__ = "0.1.0.dev0"
 
-from keras_dvi.layers import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI
+from keras_dvi import datasets, moments, predictive, priors
+from keras_dvi.callbacks import KLWarmup
+from keras_dvi.layers import DenseDiagDVI, DenseDVI, HomoscedasticNoise, SkipDiagDVI, SkipDVI
+from keras_dvi.losses import HeteroscedasticELL, SoftmaxDeltaELL
 from keras_dvi.packing import unpack
+from keras_dvi.priors import EmpiricalBayesRegularizer, GaussianPriorRegularizer
 from keras_dvi.sampling import sample_outputs
 
 __all__ = [
@@ -19,7 +26,17 @@ __all__ = [
     "DenseDiagDVI",
     "SkipDVI",
     "SkipDiagDVI",
+    "HomoscedasticNoise",
+    "HeteroscedasticELL",
+    "SoftmaxDeltaELL",
+    "EmpiricalBayesRegularizer",
+    "GaussianPriorRegularizer",
+    "KLWarmup",
     "unpack",
     "sample_outputs",
+    "datasets",
+    "moments",
+    "predictive",
+    "priors",
     "__version__",
 ]

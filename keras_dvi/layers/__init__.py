@@ -1,7 +1,9 @@
 """Keras layers of keras-dvi."""
 
+from keras_dvi.layers.base import BayesianLayer
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.dense_dvi import DenseDVI
+from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
 
-__all__ = ["DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"]
+__all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "HomoscedasticNoise"]

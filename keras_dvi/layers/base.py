@@ -11,10 +11,18 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, sampling
+from keras_dvi import moments, packing, priors, sampling, tracking
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.1
+
+
+class _TrackerRef:
+    """A plain holder, invisible to Keras' attribute tracking."""
+
+    def __init__(self):
+        self.tracker = None
+        self.head = False
 
 
 class BayesianLayer(keras.layers.Layer):
@@ -29,6 +37,9 @@ class BayesianLayer(keras.layers.Layer):
             `0.1 / fan_in`.
         bias_variance_init: initial posterior variance of every bias; `None` means a tenth of
             the kernel's.
+        regularizer: a prior from `keras_dvi.priors` (`EmpiricalBayesRegularizer`,
+            `GaussianPriorRegularizer`) or `None`. The layer adds `kl_weight * KL / N` for its
+            kernel and, separately, its bias to the model's losses at every call.
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, `trainable`).
     """
 
@@ -40,9 +51,14 @@ class BayesianLayer(keras.layers.Layer):
         bias_mean_initializer="zeros",
         kernel_variance_init=None,
         bias_variance_init=None,
+        regularizer=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.regularizer = priors.get(regularizer)
+        # Held outside Keras' state tracking (the tracker may belong to another layer, and is
+        # attached after `build` when a saved model is loaded); see the `metrics` property.
+        self._tracker_ref = _TrackerRef()
         self.activation = moments.canonical_activation(activation)
         self.use_bias = bool(use_bias)
         self.kernel_mean_initializer = keras.initializers.get(kernel_mean_initializer)
@@ -179,12 +195,59 @@ class BayesianLayer(keras.layers.Layer):
                 f"`{name}` has {features}."
             )
 
+    def __call__(self, inputs, *args, **kwargs):
+        if self._tracker_ref.tracker is None:
+            self._attach_tracker(inputs)
+        return super().__call__(inputs, *args, **kwargs)
+
+    def _attach_tracker(self, inputs):
+        """Shares the `ELBOTracker` of the keras-dvi layer feeding this one, or starts one."""
+        first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
+        history = getattr(first, "_keras_history", None)
+        upstream = getattr(history, "operation", None) if history is not None else None
+        tracker = getattr(upstream, "elbo_tracker", None)
+        self._tracker_ref.head = tracker is None
+        self._tracker_ref.tracker = tracking.ELBOTracker() if tracker is None else tracker
+
+    @property
+    def elbo_tracker(self):
+        """The `ELBOTracker` metric this layer reports its KL to (`None` before a call)."""
+        return self._tracker_ref.tracker
+
+    @property
+    def metrics(self):
+        tracker = self._tracker_ref.tracker
+        return super().metrics + ([tracker] if tracker is not None else [])
+
+    def kl_divergence(self):
+        """`KL(q || p) / N` of this layer (kernel and bias sets), or 0 without a regularizer."""
+        if self.regularizer is None:
+            return ops.zeros((), dtype=self.variable_dtype)
+        kl = self.regularizer(self.kernel_mean, self.kernel_variance, self._fan_in)
+        if self._bias_mean is not None:
+            kl = kl + self.regularizer(self.bias_mean, self.bias_variance, self._fan_in)
+        return kl
+
+    def _report_kl(self):
+        tracker, head = self._tracker_ref.tracker, self._tracker_ref.head
+        if self.regularizer is not None:
+            kl = self.kl_divergence()
+            weight = 1.0 if tracker is None else ops.cast(tracker.kl_weight, kl.dtype)
+            self.add_loss(weight * kl)
+            if tracker is not None:
+                tracker.add_kl(kl, new_step=head)
+        elif tracker is not None and head:
+            tracker.add_kl(0.0, new_step=True)
+        if tracker is not None and head:
+            tracking._activate(tracker)
+
     def call(self, inputs):
         context = sampling.current_context()
         if context is not None:
             return self._sample(inputs, context)
         mean, second, kind = packing.split(inputs)
         self._check_features(int(mean.shape[-1]) if mean.shape[-1] is not None else None)
+        self._report_kl()
         mean, second = self._moments(mean, second, kind)
         return packing.pack(mean, second)
 
@@ -236,6 +299,9 @@ class BayesianLayer(keras.layers.Layer):
                 "bias_mean_initializer": keras.initializers.serialize(self.bias_mean_initializer),
                 "kernel_variance_init": self.kernel_variance_init,
                 "bias_variance_init": self.bias_variance_init,
+                "regularizer": None
+                if self.regularizer is None
+                else keras.saving.serialize_keras_object(self.regularizer),
             }
         )
         return config

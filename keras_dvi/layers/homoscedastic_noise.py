@@ -1,0 +1,68 @@
+"""`HomoscedasticNoise`: a learned (or fixed) noise log-variance for `HeteroscedasticELL`."""
+
+import keras
+from keras import ops
+
+from keras_dvi import packing
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class HomoscedasticNoise(keras.layers.Layer):
+    """Appends a constant log noise variance per target to a keras-dvi output (hoDVI).
+
+    The paper's homoscedastic variant (hoDVI, Wu et al. 2019, Section 5): the noise variance
+    does not depend on the input. The log-variances `l` are deterministic (`S_ll = S_ml = 0`),
+    so `HeteroscedasticELL` reduces to the homoscedastic expected log-likelihood.
+
+    Args:
+        initial_log_variance: starting value of each target's log noise variance.
+        trainable: `True` to learn it (by maximum likelihood), `False` to keep it fixed.
+        **kwargs: base layer arguments.
+
+    Input shape:
+        A packed keras-dvi output with `D` units (full or diagonal), or a deterministic
+        `(batch, D)` tensor.
+
+    Output shape:
+        The same form with `2 D` units: the `D` means, then the `D` log-variances.
+
+    Example:
+
+    >>> model = keras.Sequential([
+    ...     keras.Input((8,)), DenseDVI(50, "relu"), DenseDVI(1), HomoscedasticNoise(),
+    ... ])
+    >>> model.compile("adam", loss=HeteroscedasticELL())
+    """
+
+    def __init__(self, initial_log_variance=0.0, trainable=True, **kwargs):
+        super().__init__(trainable=trainable, **kwargs)
+        self.initial_log_variance = float(initial_log_variance)
+
+    def build(self, input_shape):
+        _, features = packing.structure_of_shape(input_shape)
+        self.log_variance = self.add_weight(
+            name="log_variance",
+            shape=(features,),
+            initializer=keras.initializers.Constant(self.initial_log_variance),
+        )
+
+    def compute_output_shape(self, input_shape):
+        kind, features = packing.structure_of_shape(input_shape)
+        return packing.packed_shape(input_shape, 2 * features, full=kind == packing.FULL)
+
+    def call(self, inputs):
+        mean, second, kind = packing.split(inputs)
+        log_var = ops.cast(self.log_variance, mean.dtype) + ops.zeros_like(mean)
+        out_mean = ops.concatenate([mean, log_var], axis=-1)
+        if kind == packing.FULL:
+            zeros = ops.zeros_like(second)
+            top = ops.concatenate([second, zeros], axis=-1)
+            bottom = ops.concatenate([zeros, zeros], axis=-1)
+            return packing.pack(out_mean, ops.concatenate([top, bottom], axis=-2))
+        variance = ops.zeros_like(mean) if second is None else second
+        return packing.pack(out_mean, ops.concatenate([variance, ops.zeros_like(mean)], axis=-1))
+
+    def get_config(self):
+        config = super().get_config()
+        config["initial_log_variance"] = self.initial_log_variance
+        return config

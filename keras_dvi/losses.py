@@ -1,0 +1,165 @@
+"""Expected log-likelihood losses for keras-dvi outputs (pass them to `model.compile`).
+
+Each loss reads the packed output of the last keras-dvi layer (see `keras_dvi.packing`),
+returns the per-example negative expected log-likelihood, and reports its batch mean as
+`nll` in the training logs (`keras_dvi.tracking`).
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_dvi import packing, tracking
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+def _report(nll):
+    tracker = tracking.active_tracker()
+    if tracker is not None:
+        tracker.add_nll(ops.mean(nll))
+
+
+def _targets(y_true, dims, name):
+    """`y_true` as `(batch, dims)`; accepts `(batch,)` when `dims == 1`."""
+    shape = tuple(y_true.shape)
+    if len(shape) == 1 and dims == 1:
+        return y_true[:, None]
+    if len(shape) == 2 and shape[1] == dims:
+        return y_true
+    raise ValueError(
+        f"{name}: targets `y_true` must have shape (batch, {dims})"
+        + (" or (batch,)" if dims == 1 else "")
+        + f" to match a model output with {dims} target dimension(s); received shape {shape}."
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class HeteroscedasticELL(keras.losses.Loss):
+    """Negative expected Gaussian log-likelihood with a learned, input-dependent noise.
+
+    Wu et al. (ICLR 2019), eq. 8 (math.md section 5): for each target dimension the network
+    outputs a mean `m` and a log noise variance `l`, jointly Gaussian with covariance
+    `(S_mm, S_ml, S_ll)`, and
+
+    `-E[log N(y | m, exp(l))] = 1/2 [log 2pi + E[l] + (S_mm + (E[m] - S_ml - y)^2) exp(-E[l] + S_ll / 2)]`,
+
+    exact for a Gaussian `(m, l)`. Summed over target dimensions.
+
+    Output layout: a model for `D` targets ends in a keras-dvi layer with `2 D` units: units
+    `0..D-1` are the means, units `D..2D-1` the log-variances (`keras_dvi.HomoscedasticNoise`
+    appends a learned or fixed log-variance to a `D`-unit output: the paper's hoDVI). With a
+    full-covariance output (`DenseDVI`) the `m`-`l` covariance `S_ml` is used; a diagonal
+    output (`DenseDiagDVI`) has none, so `S_ml = 0` is assumed there: use a `DenseDVI` head.
+
+    Args:
+        reduction: Keras loss reduction (default: mean over the batch).
+        name: loss name.
+        dtype: dtype of the loss computation.
+
+    Example:
+
+    >>> model.compile(keras.optimizers.Adam(1e-3), loss=HeteroscedasticELL())
+    """
+
+    def __init__(self, reduction="sum_over_batch_size", name="heteroscedastic_ell", dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+
+    def call(self, y_true, y_pred):
+        mean, second = packing.unpack(y_pred)
+        units = mean.shape[-1]
+        if units is None or units % 2:
+            raise ValueError(
+                "HeteroscedasticELL needs a model output with an even number of units, "
+                f"2 D (D means, then D log noise variances); received {units} units. For a "
+                "homoscedastic model add keras_dvi.HomoscedasticNoise() after the output layer."
+            )
+        dims = units // 2
+        y = ops.cast(_targets(y_true, dims, "HeteroscedasticELL"), mean.dtype)
+        if len(second.shape) == 3:
+            variance = ops.diagonal(second, axis1=-2, axis2=-1)
+            cross = ops.diagonal(second[:, :dims, dims:], axis1=-2, axis2=-1)
+        else:
+            variance, cross = second, ops.zeros_like(mean[:, :dims])
+        m, log_var = mean[:, :dims], mean[:, dims:]
+        s_mm, s_ll = variance[:, :dims], variance[:, dims:]
+        precision = ops.exp(0.5 * s_ll - log_var)
+        nll = 0.5 * (_LOG_2PI + log_var + (s_mm + ops.square(m - cross - y)) * precision)
+        nll = ops.sum(nll, axis=-1)
+        _report(nll)
+        return nll
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class SoftmaxDeltaELL(keras.losses.Loss):
+    """Negative expected log-likelihood of a softmax (categorical) likelihood over logits.
+
+    Logits `a ~ N(m, S)` (the packed output of the last keras-dvi layer, `C >= 2` units).
+    `method="delta"`: the second-order delta method, Wu et al. (ICLR 2019) eq. 21 (math.md
+    section 6): `E[log p(y|a)] ~= m_y - logsumexp(m) - (p . diag(S) - p^T S p) / 2`,
+    `p = softmax(m)`. `method="jankowiak"`: the closed-form approximate bound of Jankowiak
+    (2018), eq. 38: `m_y - log sum_j exp(m_j) (1 + S_jj / 2)`.
+
+    Labels: integer class indices of shape `(batch,)` or `(batch, 1)`, or one-hot (or soft)
+    labels of shape `(batch, C)`.
+
+    Args:
+        method: `"delta"` (default) or `"jankowiak"`.
+        reduction: Keras loss reduction (default: mean over the batch).
+        name: loss name.
+        dtype: dtype of the loss computation.
+    """
+
+    def __init__(self, method="delta", reduction="sum_over_batch_size", name="softmax_delta_ell", dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        if method not in ("delta", "jankowiak"):
+            raise ValueError(
+                f"Argument `method` must be 'delta' or 'jankowiak'; received method={method!r}."
+            )
+        self.method = method
+
+    def call(self, y_true, y_pred):
+        mean, second = packing.unpack(y_pred)
+        classes = mean.shape[-1]
+        if classes is None or classes < 2:
+            raise ValueError(
+                "SoftmaxDeltaELL needs a model output with one logit per class (at least 2 "
+                f"units); received {classes} unit(s)."
+            )
+        labels = _labels(y_true, classes, mean.dtype)
+        variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
+        if self.method == "jankowiak":
+            log_norm = ops.logsumexp(mean + ops.log1p(0.5 * variance), axis=-1, keepdims=True)
+            ell = mean - log_norm
+        else:
+            log_p = mean - ops.logsumexp(mean, axis=-1, keepdims=True)
+            p = ops.exp(log_p)
+            if len(second.shape) == 3:
+                quadratic = ops.einsum("bi,bij,bj->b", p, second, p)
+            else:
+                quadratic = ops.sum(ops.square(p) * variance, axis=-1)
+            correction = 0.5 * (ops.sum(p * variance, axis=-1) - quadratic)
+            ell = log_p - correction[:, None]
+        nll = -ops.sum(labels * ell, axis=-1)
+        _report(nll)
+        return nll
+
+    def get_config(self):
+        config = super().get_config()
+        config["method"] = self.method
+        return config
+
+
+def _labels(y_true, classes, dtype):
+    shape = tuple(y_true.shape)
+    if len(shape) == 2 and shape[1] == classes:
+        return ops.cast(y_true, dtype)
+    if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
+        indices = ops.cast(ops.reshape(y_true, (-1,)), "int32")
+        return ops.one_hot(indices, classes, dtype=dtype)
+    raise ValueError(
+        f"SoftmaxDeltaELL: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
+        f"or one-hot of shape (batch, {classes}) to match the {classes} logits; received "
+        f"shape {shape}."
+    )

@@ -1,0 +1,158 @@
+"""Predictions users can trust: predictive distributions and their metrics.
+
+Regression (Wu et al. 2019, eq. 9): `y ~ N(E[m], S_mm + exp(E[l] + S_ll / 2))`, the variance
+split into an epistemic part `S_mm` (weight uncertainty) and an aleatoric part
+`exp(E[l] + S_ll / 2)` (the expected noise variance). Classification: class probabilities by
+the delta method (eq. 23), made valid, or by Monte Carlo over the Gaussian logits.
+
+Every function takes the packed output of a keras-dvi model (a tensor or the array that
+`model.predict` returns) and returns backend tensors (`keras.ops.convert_to_numpy` for NumPy).
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_dvi import packing
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+def _split_regression(y_pred):
+    mean, second = packing.unpack(y_pred)
+    units = mean.shape[-1]
+    if units % 2:
+        raise ValueError(
+            f"Argument `y_pred` must have 2 D units (D means, D log-variances); received {units}."
+        )
+    dims = units // 2
+    variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
+    return mean[:, :dims], mean[:, dims:], variance[:, :dims], variance[:, dims:]
+
+
+def regression_moments(y_pred):
+    """Predictive mean and variance of a heteroscedastic regression output (eq. 9).
+
+    Args:
+        y_pred: packed output with `2 D` units (see `HeteroscedasticELL`).
+
+    Returns:
+        Dict of `(batch, D)` tensors: `mean`, `variance` (= `epistemic + aleatoric`),
+        `epistemic` (`S_mm`) and `aleatoric` (`exp(E[l] + S_ll / 2)`).
+    """
+    m, log_var, s_mm, s_ll = _split_regression(y_pred)
+    aleatoric = ops.exp(log_var + 0.5 * s_ll)
+    return {"mean": m, "variance": s_mm + aleatoric, "epistemic": s_mm, "aleatoric": aleatoric}
+
+
+def _targets(y, like):
+    y = ops.cast(ops.convert_to_tensor(y), like.dtype)
+    return ops.reshape(y, (-1, like.shape[-1]))
+
+
+def log_predictive_density(y_pred, y, y_scale=1.0):
+    """Log density of targets under the Gaussian predictive (eq. 9), summed over dimensions.
+
+    Args:
+        y_pred: packed regression output.
+        y: targets `(batch,)` or `(batch, D)`, in the same (normalised) units as the model.
+        y_scale: standard deviation used to normalise the targets; the density is returned
+            in the original units (`- D log(y_scale)`), as the UCI protocol reports it.
+
+    Returns:
+        `(batch,)` log densities.
+    """
+    moments = regression_moments(y_pred)
+    y = _targets(y, moments["mean"])
+    var = moments["variance"]
+    log_density = -0.5 * (_LOG_2PI + ops.log(var) + ops.square(y - moments["mean"]) / var)
+    return ops.sum(log_density, axis=-1) - y.shape[-1] * math.log(y_scale)
+
+
+def rmse(y_pred, y, y_scale=1.0):
+    """Root mean squared error of the predictive mean, in original units (times `y_scale`)."""
+    mean = regression_moments(y_pred)["mean"]
+    y = _targets(y, mean)
+    return ops.sqrt(ops.mean(ops.square(y - mean))) * y_scale
+
+
+def _normal_quantile(level):
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"Argument `level` must be in (0, 1); received level={level!r}.")
+    return math.sqrt(2.0) * float(keras.ops.convert_to_numpy(ops.erfinv(ops.convert_to_tensor(level, "float64"))))
+
+
+def prediction_interval(y_pred, level=0.95):
+    """Central predictive interval `(lower, upper)`, each `(batch, D)`, of probability `level`."""
+    moments = regression_moments(y_pred)
+    half = _normal_quantile(level) * ops.sqrt(moments["variance"])
+    return moments["mean"] - half, moments["mean"] + half
+
+
+def interval_coverage(y_pred, y, level=0.95):
+    """Fraction of targets inside the central `level` predictive interval."""
+    lower, upper = prediction_interval(y_pred, level)
+    y = _targets(y, lower)
+    inside = ops.logical_and(y >= lower, y <= upper)
+    return ops.mean(ops.cast(inside, "float32"))
+
+
+def class_probabilities(y_pred, method="delta", num_samples=256, seed=None):
+    """Class probabilities from Gaussian logits `N(m, S)`.
+
+    Args:
+        y_pred: packed output with one logit per class.
+        method: `"delta"`: eq. 23, `p (1 + p^T S p - S p + diag(S)/2 - p . diag(S) / 2)`,
+            clipped at 0 and renormalised so the result is a valid distribution for any `S`;
+            `"mc"`: the mean softmax of `num_samples` logit draws; `"mean"`: `softmax(m)`.
+        num_samples: Monte Carlo draws for `"mc"`.
+        seed: seed for `"mc"`.
+
+    Returns:
+        `(batch, C)` probabilities (non-negative, rows sum to one).
+    """
+    mean, second = packing.unpack(y_pred)
+    p = ops.softmax(mean, axis=-1)
+    full = len(second.shape) == 3
+    variance = ops.diagonal(second, axis1=-2, axis2=-1) if full else second
+    if method == "mean":
+        return p
+    if method == "delta":
+        s_p = ops.einsum("bij,bj->bi", second, p) if full else variance * p
+        p_s_p = ops.sum(p * s_p, axis=-1, keepdims=True)
+        p_var = ops.sum(p * variance, axis=-1, keepdims=True)
+        probs = ops.maximum(p * (1.0 + p_s_p - s_p + 0.5 * variance - 0.5 * p_var), 0.0)
+        return probs / ops.sum(probs, axis=-1, keepdims=True)
+    if method == "mc":
+        classes = mean.shape[-1]
+        noise = keras.random.normal((num_samples,) + tuple(mean.shape), dtype=mean.dtype, seed=seed)
+        if full:
+            jitter = 1e-6 * ops.eye(classes, dtype=mean.dtype)
+            chol = ops.cholesky(second + jitter)
+            logits = mean + ops.einsum("bij,sbj->sbi", chol, noise)
+        else:
+            logits = mean + ops.sqrt(variance) * noise
+        return ops.mean(ops.softmax(logits, axis=-1), axis=0)
+    raise ValueError(f"Argument `method` must be 'delta', 'mc' or 'mean'; received {method!r}.")
+
+
+def expected_calibration_error(probabilities, labels, num_bins=15):
+    """Expected calibration error of the top-class confidence (equal-width bins).
+
+    Args:
+        probabilities: `(batch, C)` class probabilities.
+        labels: integer labels `(batch,)`.
+        num_bins: number of confidence bins.
+
+    Returns:
+        Scalar: `sum_b (n_b / n) |accuracy_b - confidence_b|`.
+    """
+    probabilities = ops.convert_to_tensor(probabilities)
+    labels = ops.cast(ops.reshape(ops.convert_to_tensor(labels), (-1,)), "int32")
+    confidence = ops.max(probabilities, axis=-1)
+    correct = ops.cast(ops.argmax(probabilities, axis=-1) == labels, confidence.dtype)
+    bins = ops.minimum(ops.cast(confidence * num_bins, "int32"), num_bins - 1)
+    one_hot = ops.one_hot(bins, num_bins, dtype=confidence.dtype)  # (batch, bins)
+    gap = ops.abs(ops.sum(one_hot * (correct - confidence)[:, None], axis=0))
+    return ops.sum(gap) / ops.cast(ops.shape(confidence)[0], confidence.dtype)
