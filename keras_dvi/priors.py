@@ -19,6 +19,7 @@ from keras import ops
 
 def gaussian_kl(mean, variance, prior_variance):
     """`sum_i KL(N(mean_i, variance_i) || N(0, prior_variance))` (math.md section 7)."""
+    prior_variance = ops.cast(prior_variance, mean.dtype)
     ratio = (variance + ops.square(mean)) / prior_variance
     return 0.5 * ops.sum(ops.log(prior_variance) - ops.log(variance) - 1.0 + ratio)
 

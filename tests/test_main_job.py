@@ -1,7 +1,9 @@
 """The bundled data set and the README's main job."""
 
+import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 
@@ -19,13 +21,52 @@ def test_toy_regression_data_ships_with_the_package():
     assert resid[x_train[:, 0] > 0.25].std() > 3 * resid[x_train[:, 0] < -0.25].std()
 
 
-def test_main_job_runs_and_prints_results():
+def _read_png(path):
+    """Decodes an 8-bit RGB PNG written by keras_dvi.plotting (independent of the writer)."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length = struct.unpack(">I", data[pos : pos + 4])[0]
+        tag = data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])[0] == zlib.crc32(tag + body) & 0xFFFFFFFF
+        chunks[tag] = chunks.get(tag, b"") + body
+        pos += 12 + length
+    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(height, 1 + 3 * width)
+    return raw[:, 1:].reshape(height, width, 3)
+
+
+def test_main_job_runs_prints_results_and_writes_a_plot(tmp_path):
+    plot = tmp_path / "toy.png"
     out = subprocess.run(
-        [sys.executable, "-m", "keras_dvi", "--epochs", "3"],
+        [sys.executable, "-m", "keras_dvi", "--epochs", "2", "--plot", str(plot)],
         capture_output=True,
         text=True,
         timeout=600,
         check=True,
     ).stdout
-    assert "test RMSE" in out
-    assert "MC mean" in out
+    assert "train: log-likelihood" in out and "test:  log-likelihood" in out and "RMSE" in out
+    image = _read_png(plot)
+    assert image.shape == (480, 720, 3)
+    colours = {tuple(c) for c in image.reshape(-1, 3)[::7]}
+    assert (198, 219, 239) in colours and (8, 81, 156) in colours  # band and mean line drawn
+
+
+def test_main_job_reads_the_uci_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(40, 4))
+    data[:, 3] = data[:, 0] - data[:, 1] + 0.1 * rng.normal(size=40)
+    np.savetxt(tmp_path / "data.txt", data)
+    np.savetxt(tmp_path / "index_features.txt", [0, 1, 2], fmt="%d")
+    np.savetxt(tmp_path / "index_target.txt", [3], fmt="%d")
+    np.savetxt(tmp_path / "index_train_0.txt", np.arange(30), fmt="%d")
+    np.savetxt(tmp_path / "index_test_0.txt", np.arange(30, 40), fmt="%d")
+    from keras_dvi.__main__ import load_uci, main
+
+    (x_train, y_train), (x_test, y_test) = load_uci(str(tmp_path), 0)
+    assert x_train.shape == (30, 3) and y_test.shape == (10,)
+    np.testing.assert_allclose(y_train, data[:30, 3].astype("float32"))
+    results = main(["--data", str(tmp_path), "--epochs", "2", "--verbose", "0", "--plot", ""])
+    assert np.isfinite(results["test_ll"]) and np.isfinite(results["test_rmse"])

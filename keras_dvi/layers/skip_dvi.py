@@ -28,8 +28,10 @@ class SkipDVI(BayesianLayer):
         use_bias: whether to use a Bayesian bias.
         kernel_mean_initializer: initializer of the kernel posterior means.
         bias_mean_initializer: initializer of the bias posterior means.
-        kernel_variance_init: initial kernel posterior variance (`None`: `0.1 / width`).
+        kernel_variance_init: initial kernel posterior variance (`None`: `0.03 / width`).
         bias_variance_init: initial bias posterior variance (`None`: a tenth of the kernel's).
+        regularizer: a prior (`EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`) whose
+            `KL / N` for the kernel and the bias is added to the model's losses, or `None`.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Input shape:
