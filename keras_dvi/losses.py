@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import packing, tracking
+from keras_dvi import moments, packing, tracking
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -84,7 +84,7 @@ class HeteroscedasticELL(keras.losses.Loss):
             variance, cross = second, ops.zeros_like(mean[:, :dims])
         m, log_var = mean[:, :dims], mean[:, dims:]
         s_mm, s_ll = variance[:, :dims], variance[:, dims:]
-        precision = ops.exp(0.5 * s_ll - log_var)
+        precision = moments.safe_exp(0.5 * s_ll - log_var)
         nll = 0.5 * (_LOG_2PI + log_var + (s_mm + ops.square(m - cross - y)) * precision)
         nll = ops.sum(nll, axis=-1)
         _report(nll)

@@ -95,6 +95,17 @@ def normal_cdf(x):
     return 0.5 * ops.erfc(-x * _SQRT_HALF)
 
 
+def safe_exp(x, limit=60.0):
+    """`exp(x)` for `x <= limit`, continued linearly (with matching slope) above it.
+
+    Keeps losses and gradients finite for extreme log-variances (`exp(88)` overflows float32)
+    while leaving every realistic value exact.
+    """
+    limit_value = math.exp(limit)
+    clipped = ops.minimum(x, limit)
+    return ops.exp(clipped) + limit_value * ops.maximum(x - limit, 0.0)
+
+
 def _safe_std(variance):
     return ops.sqrt(ops.maximum(variance, _VAR_FLOOR))
 

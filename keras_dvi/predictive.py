@@ -14,7 +14,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import packing
+from keras_dvi import moments, packing
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -42,7 +42,7 @@ def regression_moments(y_pred):
         `epistemic` (`S_mm`) and `aleatoric` (`exp(E[l] + S_ll / 2)`).
     """
     m, log_var, s_mm, s_ll = _split_regression(y_pred)
-    aleatoric = ops.exp(log_var + 0.5 * s_ll)
+    aleatoric = moments.safe_exp(log_var + 0.5 * s_ll)
     return {"mean": m, "variance": s_mm + aleatoric, "epistemic": s_mm, "aleatoric": aleatoric}
 
 
@@ -63,10 +63,10 @@ def log_predictive_density(y_pred, y, y_scale=1.0):
     Returns:
         `(batch,)` log densities.
     """
-    moments = regression_moments(y_pred)
-    y = _targets(y, moments["mean"])
-    var = moments["variance"]
-    log_density = -0.5 * (_LOG_2PI + ops.log(var) + ops.square(y - moments["mean"]) / var)
+    predictive = regression_moments(y_pred)
+    y = _targets(y, predictive["mean"])
+    var = predictive["variance"]
+    log_density = -0.5 * (_LOG_2PI + ops.log(var) + ops.square(y - predictive["mean"]) / var)
     return ops.sum(log_density, axis=-1) - y.shape[-1] * math.log(y_scale)
 
 
@@ -85,9 +85,9 @@ def _normal_quantile(level):
 
 def prediction_interval(y_pred, level=0.95):
     """Central predictive interval `(lower, upper)`, each `(batch, D)`, of probability `level`."""
-    moments = regression_moments(y_pred)
-    half = _normal_quantile(level) * ops.sqrt(moments["variance"])
-    return moments["mean"] - half, moments["mean"] + half
+    predictive = regression_moments(y_pred)
+    half = _normal_quantile(level) * ops.sqrt(predictive["variance"])
+    return predictive["mean"] - half, predictive["mean"] + half
 
 
 def interval_coverage(y_pred, y, level=0.95):
