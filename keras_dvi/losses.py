@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, tracking
+from keras_dvi import moments, packing, tracking, validation
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -54,6 +54,8 @@ class HeteroscedasticELL(keras.losses.Loss):
     output (`DenseDiagDVI`) has none, so `S_ml = 0` is assumed there: use a `DenseDVI` head.
 
     Args:
+        validate: targets and outputs are checked for NaN/inf in eager calls; `True` also
+            checks them inside `fit`/`evaluate` (TensorFlow assertions).
         reduction: Keras loss reduction (default: mean over the batch).
         name: loss name.
         dtype: dtype of the loss computation.
@@ -63,8 +65,9 @@ class HeteroscedasticELL(keras.losses.Loss):
     >>> model.compile(keras.optimizers.Adam(1e-3), loss=HeteroscedasticELL())
     """
 
-    def __init__(self, reduction="sum_over_batch_size", name="heteroscedastic_ell", dtype=None):
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name="heteroscedastic_ell", dtype=None):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self.validate = bool(validate)
 
     def call(self, y_true, y_pred):
         mean, second = packing.unpack(y_pred)
@@ -77,6 +80,8 @@ class HeteroscedasticELL(keras.losses.Loss):
             )
         dims = units // 2
         y = ops.cast(_targets(y_true, dims, "HeteroscedasticELL"), mean.dtype)
+        y = validation.check_finite(y, "y_true", self.validate)
+        mean = validation.check_finite(mean, "y_pred", self.validate)
         if len(second.shape) == 3:
             variance = ops.diagonal(second, axis1=-2, axis2=-1)
             cross = ops.diagonal(second[:, :dims, dims:], axis1=-2, axis2=-1)
@@ -89,6 +94,11 @@ class HeteroscedasticELL(keras.losses.Loss):
         nll = ops.sum(nll, axis=-1)
         _report(nll)
         return nll
+
+    def get_config(self):
+        config = super().get_config()
+        config["validate"] = self.validate
+        return config
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -106,13 +116,15 @@ class SoftmaxDeltaELL(keras.losses.Loss):
 
     Args:
         method: `"delta"` (default) or `"jankowiak"`.
+        validate: as in `HeteroscedasticELL`.
         reduction: Keras loss reduction (default: mean over the batch).
         name: loss name.
         dtype: dtype of the loss computation.
     """
 
-    def __init__(self, method="delta", reduction="sum_over_batch_size", name="softmax_delta_ell", dtype=None):
+    def __init__(self, method="delta", validate=False, reduction="sum_over_batch_size", name="softmax_delta_ell", dtype=None):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self.validate = bool(validate)
         if method not in ("delta", "jankowiak"):
             raise ValueError(
                 f"Argument `method` must be 'delta' or 'jankowiak'; received method={method!r}."
@@ -127,7 +139,8 @@ class SoftmaxDeltaELL(keras.losses.Loss):
                 "SoftmaxDeltaELL needs a model output with one logit per class (at least 2 "
                 f"units); received {classes} unit(s)."
             )
-        labels = _labels(y_true, classes, mean.dtype)
+        labels = validation.check_finite(_labels(y_true, classes, mean.dtype), "y_true", self.validate)
+        mean = validation.check_finite(mean, "y_pred", self.validate)
         variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
         if self.method == "jankowiak":
             log_norm = ops.logsumexp(mean + ops.log1p(0.5 * variance), axis=-1, keepdims=True)
@@ -148,6 +161,7 @@ class SoftmaxDeltaELL(keras.losses.Loss):
     def get_config(self):
         config = super().get_config()
         config["method"] = self.method
+        config["validate"] = self.validate
         return config
 
 

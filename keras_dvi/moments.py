@@ -40,7 +40,9 @@ ACTIVATIONS = ("linear", "relu", "heaviside")
 COVARIANCE_APPROXIMATIONS = ("paper", "exact")
 
 _MU_MAX = 60.0  # phi(60) underflows to 0 and Phi(60) == 1 in float64: clipping is exact.
-_VAR_FLOOR = 1e-30  # variances below this are treated as this (std 1e-15).
+_VAR_FLOOR = 1e-12  # variances below this are treated as this (std 1e-6). The gradient of a
+# correlation involves std_j^3 std_l; with a smaller floor that product can be a float32
+# denormal, which XLA flushes to zero (NaN gradients under jit_compile=True).
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 _TWO_PI = 2.0 * math.pi
 _SQRT_HALF = math.sqrt(0.5)

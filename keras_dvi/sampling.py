@@ -14,6 +14,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_dvi import validation
+
 _STATE = threading.local()
 
 
@@ -85,6 +87,7 @@ def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
             "Argument `x` must be deterministic inputs of shape (batch, features); received "
             f"shape {tuple(x.shape)}. Sample Gaussian inputs yourself and pass them as rows."
         )
+    validation.check_finite(x, "x")
     if chunk_size is None:
         chunk_size = max(1, int(2.5e7 // _largest_kernel(model)))
     elif int(chunk_size) != chunk_size or chunk_size < 1:

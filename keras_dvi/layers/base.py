@@ -11,7 +11,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, priors, sampling, tracking
+from keras_dvi import moments, packing, priors, sampling, tracking, validation
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.03
@@ -40,6 +40,10 @@ class BayesianLayer(keras.layers.Layer):
         regularizer: a prior from `keras_dvi.priors` (`EmpiricalBayesRegularizer`,
             `GaussianPriorRegularizer`) or `None`. The layer adds `kl_weight * KL / N` for its
             kernel and, separately, its bias to the model's losses at every call.
+        validate: input values (NaN/inf, negative variances, asymmetric covariances) are
+            always checked in eager calls; `True` also checks them inside compiled
+            functions (`fit`, `predict`) with TensorFlow assertions (a pass over the inputs
+            per step).
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, `trainable`).
     """
 
@@ -52,9 +56,14 @@ class BayesianLayer(keras.layers.Layer):
         kernel_variance_init=None,
         bias_variance_init=None,
         regularizer=None,
+        validate=False,
         **kwargs,
     ):
+        # Moments are computed in float32 (or float64) even under mixed precision, so the
+        # packed inputs must not be cast down to float16 on the way in.
+        kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
+        self.validate = bool(validate)
         self.regularizer = priors.get(regularizer)
         # Held outside Keras' state tracking (the tracker may belong to another layer, and is
         # attached after `build` when a saved model is loaded); see the `metrics` property.
@@ -88,21 +97,29 @@ class BayesianLayer(keras.layers.Layer):
     def _build_posterior(self, fan_in, units):
         kernel_var, bias_var = self._initial_variances(fan_in)
         self._kernel_mean = self.add_weight(
-            name="kernel_mean", shape=(fan_in, units), initializer=self.kernel_mean_initializer
+            name="kernel_mean",
+            shape=(fan_in, units),
+            initializer=self.kernel_mean_initializer,
+            autocast=False,  # read in float32 under mixed precision (see `moment_dtype`)
         )
         self._kernel_log_std = self.add_weight(
             name="kernel_log_std",
             shape=(fan_in, units),
             initializer=keras.initializers.Constant(0.5 * math.log(kernel_var)),
+            autocast=False,
         )
         if self.use_bias:
             self._bias_mean = self.add_weight(
-                name="bias_mean", shape=(units,), initializer=self.bias_mean_initializer
+                name="bias_mean",
+                shape=(units,),
+                initializer=self.bias_mean_initializer,
+                autocast=False,
             )
             self._bias_log_std = self.add_weight(
                 name="bias_log_std",
                 shape=(units,),
                 initializer=keras.initializers.Constant(0.5 * math.log(bias_var)),
+                autocast=False,
             )
         else:
             self._bias_mean = None
@@ -131,9 +148,17 @@ class BayesianLayer(keras.layers.Layer):
             return None
         return ops.exp(2.0 * ops.convert_to_tensor(self._bias_log_std))
 
+    @property
+    def moment_dtype(self):
+        """The dtype of the moment computations: the compute dtype, but float32 under a mixed
+        precision policy (`mixed_float16`, `mixed_bfloat16`): erfc, arcsin and exp of
+        standardised quantities need float32 range and precision."""
+        dtype = keras.backend.standardize_dtype(self.compute_dtype)
+        return "float32" if dtype in ("float16", "bfloat16") else dtype
+
     def _posterior(self):
-        """Posterior moments cast to the compute dtype."""
-        dtype = self.compute_dtype
+        """Posterior moments cast to the moment dtype."""
+        dtype = self.moment_dtype
         cast = lambda t: None if t is None else ops.cast(t, dtype)  # noqa: E731
         return (
             cast(self.kernel_mean),
@@ -246,7 +271,10 @@ class BayesianLayer(keras.layers.Layer):
         if context is not None:
             return self._sample(inputs, context)
         mean, second, kind = packing.split(inputs)
+        mean = ops.cast(mean, self.moment_dtype)
+        second = None if second is None else ops.cast(second, self.moment_dtype)
         self._check_features(int(mean.shape[-1]) if mean.shape[-1] is not None else None)
+        mean, second = validation.check_moments(mean, second, kind, "inputs", self.validate)
         self._report_kl()
         mean, second = self._moments(mean, second, kind)
         return packing.pack(mean, second)
@@ -272,7 +300,8 @@ class BayesianLayer(keras.layers.Layer):
     def _sample_affine(self, h, context):
         """`h W + b` with `W`, `b` drawn from the posterior, one draw per sample."""
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
-        dtype = self.compute_dtype
+        dtype = self.moment_dtype
+        h = ops.cast(h, dtype)
         shape = (context.num_samples,) + tuple(kernel_mean.shape)
         noise = keras.random.normal(shape, dtype=dtype, seed=context.seed_generator)
         kernel = kernel_mean + ops.sqrt(kernel_var) * noise
@@ -302,6 +331,7 @@ class BayesianLayer(keras.layers.Layer):
                 "regularizer": None
                 if self.regularizer is None
                 else keras.saving.serialize_keras_object(self.regularizer),
+                "validate": self.validate,
             }
         )
         return config

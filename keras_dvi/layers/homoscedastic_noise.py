@@ -35,6 +35,7 @@ class HomoscedasticNoise(keras.layers.Layer):
     """
 
     def __init__(self, initial_log_variance=0.0, trainable=True, **kwargs):
+        kwargs.setdefault("autocast", False)  # keep float32 moments under mixed precision
         super().__init__(trainable=trainable, **kwargs)
         self.initial_log_variance = float(initial_log_variance)
 
@@ -44,6 +45,7 @@ class HomoscedasticNoise(keras.layers.Layer):
             name="log_variance",
             shape=(features,),
             initializer=keras.initializers.Constant(self.initial_log_variance),
+            autocast=False,
         )
 
     def compute_output_shape(self, input_shape):
