@@ -48,8 +48,13 @@ _TWO_PI = 2.0 * math.pi
 _SQRT_HALF = math.sqrt(0.5)
 
 
+def _single_precision(dtype):
+    return keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16", "float32")
+
+
 def _rho_eps(dtype):
-    return 1e-6 if keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16", "float32") else 1e-10
+    """How far correlations are kept from +-1 (and h, k from 0 in Owen's T)."""
+    return 1e-6 if _single_precision(dtype) else 1e-10
 
 
 def canonical_activation(activation):
@@ -130,7 +135,7 @@ def _coefficient_correlation(rho):
     the covariance by less than 1e-9 while keeping values and gradients finite at `rho = 0`
     (every layer after a deterministic input); its prefactor uses the true `rho`.
     """
-    tau = ops.cast(1e-3 if _rho_eps(rho.dtype) > 1e-8 else 1e-6, rho.dtype)
+    tau = ops.cast(1e-3 if _single_precision(rho.dtype) else 1e-6, rho.dtype)
     return ops.where(ops.abs(rho) < tau, tau, rho)
 
 
