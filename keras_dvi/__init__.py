@@ -8,12 +8,12 @@ Public API:
 * `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
 * `sample_outputs(model, x, num_samples, seed)`: the Monte Carlo reference;
 * modules `moments` (closed-form moment maths), `predictive` (predictive distributions and
-  metrics), `datasets` (bundled data).
+  metrics), `metrics` (Keras metrics for `compile`), `datasets` (bundled data).
 """
 
 __version__ = "0.1.0.dev0"
 
-from keras_dvi import datasets, moments, predictive, priors
+from keras_dvi import datasets, metrics, moments, predictive, priors
 from keras_dvi.callbacks import KLWarmup
 from keras_dvi.layers import DenseDiagDVI, DenseDVI, HomoscedasticNoise, SkipDiagDVI, SkipDVI
 from keras_dvi.losses import HeteroscedasticELL, SoftmaxDeltaELL
@@ -35,6 +35,7 @@ __all__ = [
     "unpack",
     "sample_outputs",
     "datasets",
+    "metrics",
     "moments",
     "predictive",
     "priors",

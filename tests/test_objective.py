@@ -427,3 +427,35 @@ def test_losses_finite_at_extreme_values(dtype):
     assert all(np.isfinite(to_numpy(v)).all() for v in moments.values())
     # Values in the ordinary range are untouched by the overflow guard.
     np.testing.assert_allclose(to_numpy(keras_dvi.moments.safe_exp(keras.ops.convert_to_tensor([-3.0, 0.0, 59.0]))), np.exp([-3.0, 0.0, 59.0]), rtol=1e-6)
+
+
+def test_keras_metrics_for_packed_outputs(tmp_path):
+    from keras_dvi import metrics
+
+    rng = np.random.default_rng(15)
+    x = rng.normal(size=(64, 2)).astype("float32")
+    y = (x[:, 0] + 0.3 * rng.normal(size=64)).astype("float32")
+    prior = EmpiricalBayesRegularizer(64)
+    model = keras.Sequential([keras.Input((2,)), DenseDVI(8, "relu", regularizer=prior), DenseDVI(2, regularizer=prior)])
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        loss=HeteroscedasticELL(),
+        metrics=[metrics.PredictiveMSE(), metrics.PredictiveLogLikelihood()],
+    )
+    history = model.fit(x, y, epochs=2, batch_size=64, verbose=0, validation_data=(x, y)).history
+    assert {"predictive_mse", "predictive_log_likelihood", "val_predictive_mse", "val_nll", "val_kl"} <= set(history)
+    results = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    y_pred = model.predict(x, verbose=0)
+    np.testing.assert_allclose(results["predictive_mse"], float(to_numpy(predictive.rmse(y_pred, y))) ** 2, rtol=1e-5)
+    np.testing.assert_allclose(results["predictive_log_likelihood"], to_numpy(predictive.log_predictive_density(y_pred, y)).mean(), rtol=1e-5)
+    model.save(tmp_path / "m.keras")
+    keras.saving.load_model(tmp_path / "m.keras")
+    # Classification accuracy from the mean logits, integer and one-hot labels.
+    logits = np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 3.0, 0.0]], "float32")
+    y_pred = pack(logits, np.ones((3, 3), "float32"))
+    acc = metrics.MeanLogitAccuracy()
+    acc.update_state(np.array([0, 2, 0]), y_pred)
+    assert abs(float(acc.result()) - 2 / 3) < 1e-6
+    acc.reset_state()
+    acc.update_state(np.eye(3)[[0, 2, 1]], y_pred)
+    assert float(acc.result()) == 1.0
