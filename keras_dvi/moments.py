@@ -35,7 +35,9 @@ from keras import ops
 # --------------------------------------------------------------------------------------------
 
 #: Activations with closed-form moments. `None` and `"linear"` mean the identity.
-ACTIVATIONS = ("linear", "relu", "heaviside")
+ACTIVATIONS = ("linear", "relu", "heaviside", "leaky_relu")
+#: Negative slope of `"leaky_relu"` (the default of `keras.activations.leaky_relu`).
+LEAKY_SLOPE = 0.2
 #: Methods for the cross moments of two units through a nonlinearity.
 COVARIANCE_APPROXIMATIONS = ("paper", "exact")
 
@@ -61,7 +63,8 @@ def canonical_activation(activation):
     """Returns the canonical name of a supported activation, or raises `ValueError`.
 
     Args:
-        activation: `None`, `"linear"`, `"relu"` or `"heaviside"` (case-insensitive).
+        activation: `None`, `"linear"`, `"relu"`, `"heaviside"` or `"leaky_relu"` (negative
+            slope `LEAKY_SLOPE` = 0.2; case-insensitive).
             `keras.activations.relu` and `keras.activations.linear` are accepted too.
 
     Returns:
@@ -169,6 +172,16 @@ def activation_moments(mean, variance, activation):
     activation = canonical_activation(activation)
     if activation == "linear":
         return mean, variance
+    if activation == "leaky_relu":
+        # f = a x + (1 - a) relu(x): Var f = a^2 S + (1-a)^2 Var relu + 2 a (1-a) S Phi(mu),
+        # using Cov(x, relu(x)) = S Phi(mu) (Stein's lemma).
+        a = LEAKY_SLOPE
+        mean_r, var_r = activation_moments(mean, variance, "relu")
+        slope = expected_derivative(mean, variance, "relu")
+        variance = ops.maximum(variance, 0.0)
+        mean_h = a * mean + (1.0 - a) * mean_r
+        var_h = a * a * variance + (1.0 - a) ** 2 * var_r + 2.0 * a * (1.0 - a) * variance * slope
+        return mean_h, var_h
     std = _safe_std(variance)
     mu = _standardise(mean, std)
     pdf = normal_pdf(mu)
@@ -189,11 +202,14 @@ def expected_derivative(mean, variance, activation):
     """`E[f'(a)]` for `a ~ N(mean, variance)`: the Stein's-lemma factor of skip connections.
 
     ReLU: `Phi(mu)`; Heaviside: `phi(mu) / sqrt(S)` (math.md section 4; the paper's
-    Appendix C.1 prints `1 / S`, which is dimensionally wrong); linear: 1.
+    Appendix C.1 prints `1 / S`, which is dimensionally wrong); linear: 1; leaky ReLU:
+    `a + (1 - a) Phi(mu)`.
     """
     activation = canonical_activation(activation)
     if activation == "linear":
         return ops.ones_like(mean)
+    if activation == "leaky_relu":
+        return LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * expected_derivative(mean, variance, "relu")
     std = _safe_std(variance)
     mu = _standardise(mean, std)
     if activation == "relu":
@@ -347,7 +363,7 @@ def cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, activation, method="p
         mean_j, mean_l: means of the two pre-activations.
         var_j, var_l: their variances (>= 0).
         cov_jl: their covariance.
-        activation: `"linear"`, `"relu"` or `"heaviside"` (or `None`).
+        activation: `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (or `None`).
         method: `"paper"` or `"exact"`.
 
     Returns:
@@ -358,6 +374,13 @@ def cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, activation, method="p
     method = canonical_method(method)
     if activation == "linear":
         return cov_jl + ops.zeros_like(mean_j) + ops.zeros_like(mean_l)
+    if activation == "leaky_relu":
+        # f = a x + (1 - a) relu(x); Cov(x_j, relu(x_l)) = S_jl Phi(mu_l) (Stein's lemma), so
+        # only the ReLU-ReLU term needs the paper's approximation (or the exact form).
+        a = LEAKY_SLOPE
+        relu = cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, "relu", method)
+        slopes = expected_derivative(mean_j, var_j, "relu") + expected_derivative(mean_l, var_l, "relu")
+        return a * a * cov_jl + a * (1.0 - a) * cov_jl * slopes + (1.0 - a) ** 2 * relu
     std_j = _safe_std(var_j)
     std_l = _safe_std(var_l)
     mu_j = _standardise(mean_j, std_j)

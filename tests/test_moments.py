@@ -27,11 +27,18 @@ def _heaviside(a):
     return (a > 0).astype(float)
 
 
+def _leaky(a):
+    return np.where(a > 0, a, 0.2 * a)
+
+
+ACTIVATION_FNS = {"relu": _relu, "heaviside": _heaviside, "leaky_relu": _leaky, "linear": lambda a: a}
+
+
 @functools.lru_cache(maxsize=None)
 def quad_one_unit(activation, m, v):
     """E[f(a)] and Var[f(a)] for a ~ N(m, v) by adaptive quadrature split at the kink."""
     s = np.sqrt(v)
-    f = {"relu": _relu, "heaviside": _heaviside, "linear": lambda a: a}[activation]
+    f = ACTIVATION_FNS[activation]
 
     def expect(g):
         lo, hi = m - 12 * s, m + 12 * s
@@ -53,16 +60,22 @@ def quad_cross(activation, mj, ml, vj, vl, rho):
     def inner(x):  # E[f(a_l) | a_j = x]
         cm = ml + c / vj * (x - mj)
         z = cm / cond_sd
+        relu_mean = cond_sd * stats.norm.pdf(z) + cm * stats.norm.cdf(z)
         if activation == "relu":
-            return cond_sd * stats.norm.pdf(z) + cm * stats.norm.cdf(z)
+            return relu_mean
+        if activation == "leaky_relu":
+            return 0.2 * cm + 0.8 * relu_mean
         return stats.norm.cdf(z)
 
-    f = _relu if activation == "relu" else _heaviside
-    lo, hi = max(0.0, mj - 12 * sj), mj + 12 * sj
+    f = ACTIVATION_FNS[activation]
+    lo, hi = mj - 12 * sj, mj + 12 * sj
+    if activation != "leaky_relu":  # f = 0 below 0
+        lo = max(0.0, lo)
+    pts = [0.0] if lo < 0.0 < hi else None
     if hi <= lo:
         joint = 0.0
     else:
-        joint, _ = integrate.quad(lambda x: f(np.asarray(x)) * inner(x) * stats.norm.pdf(x, mj, sj), lo, hi, epsabs=1e-14, epsrel=1e-12, limit=400)
+        joint, _ = integrate.quad(lambda x: f(np.asarray(x)) * inner(x) * stats.norm.pdf(x, mj, sj), lo, hi, points=pts, epsabs=1e-14, epsrel=1e-12, limit=400)
     ej, _ = quad_one_unit(activation, mj, vj)
     el, _ = quad_one_unit(activation, ml, vl)
     return joint - ej * el
@@ -93,7 +106,7 @@ def _oracle(activation, mj, ml, vj, vl, rho):
 # ------------------------------------------------------------------ one unit
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside", "linear"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu", "linear"])
 @pytest.mark.parametrize("variance", [0.04, 1.0, 6.25])
 def test_one_unit_moments_match_quadrature(activation, variance, floatx):
     means = np.linspace(-3, 3, 13) * np.sqrt(variance)
@@ -107,13 +120,17 @@ def test_one_unit_moments_match_quadrature(activation, variance, floatx):
     np.testing.assert_allclose(to_numpy(var_h), oracle[:, 1], atol=tol * scale)
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu"])
 def test_expected_derivative_matches_closed_form(activation):
     means = np.linspace(-3, 3, 13)
     variance = 2.0
     got = to_numpy(moments.expected_derivative(keras.ops.convert_to_tensor(means, "float64"), keras.ops.convert_to_tensor(np.full_like(means, variance), "float64"), activation))
     sd = np.sqrt(variance)
-    want = stats.norm.sf(0, means, sd) if activation == "relu" else stats.norm.pdf(0, means, sd)
+    want = {
+        "relu": stats.norm.sf(0, means, sd),
+        "heaviside": stats.norm.pdf(0, means, sd),
+        "leaky_relu": 0.2 + 0.8 * stats.norm.sf(0, means, sd),
+    }[activation]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
@@ -136,6 +153,8 @@ def test_deterministic_limit_is_the_activation():
         ("relu", RHO_WIDE, 0.0095, 0.085),
         ("heaviside", RHO_CORE, 0.016, 0.17),
         ("heaviside", RHO_WIDE, 0.060, 0.22),
+        # Leaky ReLU = 0.2 x + 0.8 relu(x): only the ReLU-ReLU term is approximated.
+        ("leaky_relu", RHO_WIDE, 0.64 * 0.0095, None),
     ],
 )
 def test_paper_cross_moments_within_stated_error(activation, rhos, bound, asymptote_error):
@@ -144,13 +163,15 @@ def test_paper_cross_moments_within_stated_error(activation, rhos, bound, asympt
     oracle = _oracle(activation, mj, ml, 1.0, 1.0, rho)
     got = _cross(activation, "paper", mj, ml, 1.0, 1.0, rho)
     assert np.abs(got - oracle).max() <= bound * 1.02 + 1e-6
+    if asymptote_error is None:
+        return
     # The grid is discriminative: the asymptote alone (no correction) misses by far more.
     cdf = stats.norm.cdf
     asymptote = rho * cdf(mj) * cdf(ml) if activation == "relu" else np.zeros_like(rho)
     assert np.abs(asymptote - oracle).max() >= asymptote_error
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu"])
 @pytest.mark.parametrize("variances", [(1.0, 1.0), (0.3, 2.5)])
 def test_exact_cross_moments_match_quadrature(activation, variances):
     vj, vl = variances
@@ -231,7 +252,7 @@ def _edge_grid():
 
 
 @pytest.mark.parametrize("method", ["paper", "exact"])
-@pytest.mark.parametrize("activation", ["relu", "heaviside", "linear"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu", "linear"])
 def test_cross_covariance_finite_values_and_gradients_at_edges(activation, method, floatx):
     mj, ml, vj, vl, rho = _edge_grid()
     cov = rho * np.sqrt(vj * vl)

@@ -75,7 +75,7 @@ def _numpy_skip_samples(rng, n, mean, cov, kernel_mean, kernel_var, bias_mean, b
     a = rng.multivariate_normal(mean, cov, size=n)
     w = kernel_mean + np.sqrt(kernel_var) * rng.normal(size=(n,) + kernel_mean.shape)
     b = bias_mean + np.sqrt(bias_var) * rng.normal(size=(n, bias_mean.size))
-    f = np.maximum(a, 0) if activation == "relu" else (a > 0).astype(float)
+    f = {"relu": np.maximum(a, 0), "heaviside": (a > 0).astype(float), "leaky_relu": np.where(a > 0, a, 0.2 * a)}[activation]
     return a + np.einsum("ni,niu->nu", f, w) + b
 
 
@@ -86,7 +86,7 @@ def _gaussian_input(rng, k):
     return mean, cov
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu"])
 @pytest.mark.parametrize("layer_cls", [SkipDVI, SkipDiagDVI])
 @pytest.mark.parametrize("input_structure", ["full", "diagonal"])
 def test_single_skip_layer_on_gaussian_input_is_exact(layer_cls, activation, input_structure):
@@ -116,7 +116,7 @@ def test_single_skip_layer_on_gaussian_input_is_exact(layer_cls, activation, inp
     assert out.shape[1] == (2 if layer_cls is SkipDiagDVI else k + 1)
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu"])
 def test_dense_layer_on_gaussian_input_with_exact_method(activation):
     """Near-deterministic weights keep the pre-activation Gaussian, so `"exact"` is exact."""
     rng = np.random.default_rng(5)
@@ -128,7 +128,7 @@ def test_dense_layer_on_gaussian_input_with_exact_method(activation):
     layer.set_posterior(kernel, 1e-20, rng.normal(size=units), 1e-20)
     out_mean, out_cov = unpack(layer((mean[None], cov[None])))
     a = rng.multivariate_normal(mean, cov, size=400_000) @ kernel + to_numpy(layer.bias_mean)
-    samples = np.maximum(a, 0) if activation == "relu" else (a > 0).astype(float)
+    samples = {"relu": np.maximum(a, 0), "heaviside": (a > 0).astype(float), "leaky_relu": np.where(a > 0, a, 0.2 * a)}[activation]
     _assert_within_standard_error(to_numpy(out_mean)[0], to_numpy(out_cov)[0], samples)
 
 
@@ -156,6 +156,12 @@ DEEP_CASES = {
     # deterministic and the output less Gaussian: mean error 0.14 measured).
     "heaviside 3x25 paper": (lambda: _heaviside_stack("paper"), 0.1, 0.1),
     "heaviside 3x25 exact": (lambda: _heaviside_stack("exact"), 0.1, 0.1),
+    "leaky relu 3x25 paper": (lambda: [DenseDVI(25, "leaky_relu") for _ in range(3)] + [DenseDVI(2)], 0.05, 0.1),
+    "leaky relu 3x25 exact": (
+        lambda: [DenseDVI(25, "leaky_relu", covariance_approximation="exact") for _ in range(3)] + [DenseDVI(2)],
+        0.05,
+        0.1,
+    ),
     "skip 4x25 paper": (lambda: [DenseDVI(25)] + [SkipDVI("relu") for _ in range(4)] + [DenseDVI(2)], 0.05, 0.1),
     "skip 4x25 exact": (
         lambda: [DenseDVI(25)] + [SkipDVI("relu", covariance_approximation="exact") for _ in range(4)] + [DenseDVI(2)],

@@ -29,7 +29,8 @@ class BayesianLayer(keras.layers.Layer):
     """Base class: a factorised Gaussian posterior over a kernel and a bias.
 
     Args:
-        activation: `None`/`"linear"`, `"relu"` or `"heaviside"`.
+        activation: `None`/`"linear"`, `"relu"`, `"heaviside"` or `"leaky_relu"` (negative
+            slope 0.2).
         use_bias: whether the layer has a (Bayesian) bias.
         kernel_mean_initializer: Keras initializer of the kernel posterior means.
         bias_mean_initializer: Keras initializer of the bias posterior means.
@@ -420,6 +421,8 @@ def apply_activation(x, activation):
     """Deterministic activation (used in sampling mode)."""
     if activation == "relu":
         return ops.relu(x)
+    if activation == "leaky_relu":
+        return ops.leaky_relu(x, negative_slope=moments.LEAKY_SLOPE)
     if activation == "heaviside":
         return ops.cast(x > 0, x.dtype)
     return x
