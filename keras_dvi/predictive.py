@@ -14,7 +14,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing
+from keras_dvi import losses, moments, packing
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -47,8 +47,9 @@ def regression_moments(y_pred):
 
 
 def _targets(y, like):
+    """Targets as `(batch, D)` like the predictive mean, shape-checked as the losses do."""
     y = ops.cast(ops.convert_to_tensor(y), like.dtype)
-    return ops.reshape(y, (-1, like.shape[-1]))
+    return losses._targets(y, like.shape[-1], "keras_dvi.predictive")
 
 
 def log_predictive_density(y_pred, y, y_scale=1.0):

@@ -459,3 +459,11 @@ def test_keras_metrics_for_packed_outputs(tmp_path):
     acc.reset_state()
     acc.update_state(np.eye(3)[[0, 2, 1]], y_pred)
     assert float(acc.result()) == 1.0
+
+
+def test_predictive_refuses_targets_of_the_wrong_shape():
+    y_pred = pack(np.zeros((4, 2), "float32"), np.ones((4, 2), "float32"))
+    with pytest.raises(ValueError, match="y_true"):
+        predictive.log_predictive_density(y_pred, np.zeros((2, 2), "float32"))  # 4 values, 4 rows
+    with pytest.raises(ValueError, match="y_true"):
+        predictive.rmse(y_pred, np.zeros((4, 3), "float32"))
