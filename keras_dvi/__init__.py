@@ -3,6 +3,10 @@
 Public API:
 
 * layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`;
+* global inducing points: `GlobalInducingDense`, `SampledHomoscedasticNoise`, the losses
+  `SampledGaussianELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
+  `initialize_from_data(model, x, y)`, `predict_samples(model, x, num_samples)` and
+  `set_sampling_seed(model, seed)`;
 * losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
   `GaussianPriorRegularizer`; the `KLWarmup` callback;
 * `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
@@ -13,12 +17,21 @@ Public API:
 
 __version__ = "0.1.0.dev0"
 
-from keras_dvi import datasets, metrics, moments, predictive, priors
+from keras_dvi import datasets, inducing, metrics, moments, predictive, priors
 from keras_dvi.callbacks import KLWarmup
-from keras_dvi.layers import DenseDiagDVI, DenseDVI, HomoscedasticNoise, SkipDiagDVI, SkipDVI
-from keras_dvi.losses import HeteroscedasticELL, SoftmaxDeltaELL
+from keras_dvi.global_inducing import initialize_from_data, predict_samples, set_sampling_seed
+from keras_dvi.layers import (
+    DenseDiagDVI,
+    DenseDVI,
+    GlobalInducingDense,
+    HomoscedasticNoise,
+    SampledHomoscedasticNoise,
+    SkipDiagDVI,
+    SkipDVI,
+)
+from keras_dvi.losses import HeteroscedasticELL, SampledGaussianELL, SampledSoftmaxELL, SoftmaxDeltaELL
 from keras_dvi.packing import unpack
-from keras_dvi.priors import EmpiricalBayesRegularizer, GaussianPriorRegularizer
+from keras_dvi.priors import EmpiricalBayesRegularizer, GaussianPriorRegularizer, NealPrior, StandardPrior
 from keras_dvi.sampling import sample_outputs
 
 __all__ = [
@@ -27,6 +40,15 @@ __all__ = [
     "SkipDVI",
     "SkipDiagDVI",
     "HomoscedasticNoise",
+    "GlobalInducingDense",
+    "SampledHomoscedasticNoise",
+    "SampledGaussianELL",
+    "SampledSoftmaxELL",
+    "NealPrior",
+    "StandardPrior",
+    "initialize_from_data",
+    "predict_samples",
+    "set_sampling_seed",
     "HeteroscedasticELL",
     "SoftmaxDeltaELL",
     "EmpiricalBayesRegularizer",
@@ -37,6 +59,7 @@ __all__ = [
     "datasets",
     "metrics",
     "moments",
+    "inducing",
     "predictive",
     "priors",
     "__version__",

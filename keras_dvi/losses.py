@@ -165,6 +165,113 @@ class SoftmaxDeltaELL(keras.losses.Loss):
         return config
 
 
+def _samples(y_pred, name, y_true):
+    """Checks a sampled output `(batch, samples, units)` against its targets' batch size."""
+    if len(y_pred.shape) != 3:
+        raise ValueError(
+            f"{name} expects output samples of shape (batch, samples, units), as returned by a "
+            "GlobalInducingDense layer with `output_layer=True`; received shape "
+            f"{tuple(y_pred.shape)}. For DVI layers use HeteroscedasticELL / SoftmaxDeltaELL."
+        )
+    return validation.check_same_batch(
+        y_true,
+        y_pred,
+        f"{name}: the output has more rows than the targets; is the last GlobalInducingDense "
+        "layer created with `output_layer=True`? (other layers return the inducing points too)",
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class SampledGaussianELL(keras.losses.Loss):
+    """Monte Carlo negative expected Gaussian log-likelihood over output samples.
+
+    For samples `f_s` of the function and log noise variances `l_s` (`S` samples), the
+    per-example loss is `(1/S) sum_s -log N(y | f_s, exp(l_s))`, an unbiased estimate of
+    `-E_q[log p(y | f)]` (Ober & Aitchison 2021, eq. 13), summed over target dimensions.
+
+    Output layout: `(batch, samples, 2 D)`: `D` function values, then `D` log noise
+    variances (`keras_dvi.SampledHomoscedasticNoise` appends a learned one).
+
+    Args:
+        validate: as in `HeteroscedasticELL`.
+        reduction: Keras loss reduction (default: mean over the batch).
+        name: loss name.
+        dtype: dtype of the loss computation.
+
+    Example:
+
+    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledGaussianELL())
+    """
+
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_gaussian_ell", dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self.validate = bool(validate)
+
+    def call(self, y_true, y_pred):
+        y_pred = _samples(y_pred, "SampledGaussianELL", y_true)
+        units = y_pred.shape[-1]
+        if units is None or units % 2:
+            raise ValueError(
+                "SampledGaussianELL needs output samples with an even number of units, 2 D (D "
+                f"function values, then D log noise variances); received {units} units. Add "
+                "keras_dvi.SampledHomoscedasticNoise() after the output layer."
+            )
+        dims = units // 2
+        y = ops.cast(_targets(y_true, dims, "SampledGaussianELL"), y_pred.dtype)
+        y = validation.check_finite(y, "y_true", self.validate)
+        y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
+        f, log_var = y_pred[..., :dims], y_pred[..., dims:]
+        precision = moments.safe_exp(-log_var)
+        nll = 0.5 * (_LOG_2PI + log_var + ops.square(f - y[:, None, :]) * precision)
+        nll = ops.mean(ops.sum(nll, axis=-1), axis=-1)
+        _report(nll)
+        return nll
+
+    def get_config(self):
+        config = super().get_config()
+        config["validate"] = self.validate
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class SampledSoftmaxELL(keras.losses.Loss):
+    """Monte Carlo negative expected softmax log-likelihood over sampled logits.
+
+    `(1/S) sum_s -log softmax(a_s)_y` for logit samples `a_s`, `(batch, samples, C)`. Labels as
+    in `SoftmaxDeltaELL` (integers or one-hot).
+
+    Args:
+        validate: as in `HeteroscedasticELL`.
+        reduction: Keras loss reduction (default: mean over the batch).
+        name: loss name.
+        dtype: dtype of the loss computation.
+    """
+
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_softmax_ell", dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self.validate = bool(validate)
+
+    def call(self, y_true, y_pred):
+        y_pred = _samples(y_pred, "SampledSoftmaxELL", y_true)
+        classes = y_pred.shape[-1]
+        if classes is None or classes < 2:
+            raise ValueError(
+                "SampledSoftmaxELL needs one logit per class (at least 2 units); received "
+                f"{classes} unit(s)."
+            )
+        labels = validation.check_finite(_labels(y_true, classes, y_pred.dtype), "y_true", self.validate)
+        y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
+        log_p = y_pred - ops.logsumexp(y_pred, axis=-1, keepdims=True)
+        nll = -ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1)
+        _report(nll)
+        return nll
+
+    def get_config(self):
+        config = super().get_config()
+        config["validate"] = self.validate
+        return config
+
+
 def _labels(y_true, classes, dtype):
     shape = tuple(y_true.shape)
     if len(shape) == 2 and shape[1] == classes:
@@ -173,7 +280,7 @@ def _labels(y_true, classes, dtype):
         indices = ops.cast(ops.reshape(y_true, (-1,)), "int32")
         return ops.one_hot(indices, classes, dtype=dtype)
     raise ValueError(
-        f"SoftmaxDeltaELL: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
+        f"keras_dvi losses: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
         f"or one-hot of shape (batch, {classes}) to match the {classes} logits; received "
         f"shape {shape}."
     )

@@ -157,3 +157,70 @@ def expected_calibration_error(probabilities, labels, num_bins=15):
     one_hot = ops.one_hot(bins, num_bins, dtype=confidence.dtype)  # (batch, bins)
     gap = ops.abs(ops.sum(one_hot * (correct - confidence)[:, None], axis=0))
     return ops.sum(gap) / ops.cast(ops.shape(confidence)[0], confidence.dtype)
+
+
+# ---------------------------------------------------------------- sampled outputs
+
+
+def _sample_axis(samples, name="samples"):
+    samples = ops.convert_to_tensor(samples)
+    if len(samples.shape) != 3:
+        raise ValueError(
+            f"Argument `{name}` must be output samples of shape (batch, samples, units) (a "
+            f"GlobalInducingDense model's output); received shape {tuple(samples.shape)}."
+        )
+    return samples
+
+
+def sample_regression_moments(samples):
+    """Predictive mean and variance from sampled regression outputs.
+
+    Args:
+        samples: `(batch, S, 2 D)`: function values `f_s`, then log noise variances `l_s`
+            (the output of `SampledHomoscedasticNoise`), e.g. from `predict_samples`.
+
+    Returns:
+        Dict of `(batch, D)` tensors: `mean` (of `f`), `variance` (= `epistemic +
+        aleatoric`), `epistemic` (variance of `f` over samples) and `aleatoric` (mean of
+        `exp(l)`).
+    """
+    samples = _sample_axis(samples)
+    units = samples.shape[-1]
+    if units % 2:
+        raise ValueError(
+            f"Argument `samples` must have 2 D units (D values, D log-variances); received {units}."
+        )
+    dims = units // 2
+    f, log_var = samples[..., :dims], samples[..., dims:]
+    mean = ops.mean(f, axis=1)
+    epistemic = ops.mean(ops.square(f - mean[:, None, :]), axis=1)
+    aleatoric = ops.mean(moments.safe_exp(log_var), axis=1)
+    return {"mean": mean, "variance": epistemic + aleatoric, "epistemic": epistemic, "aleatoric": aleatoric}
+
+
+def sample_log_predictive_density(samples, y, y_scale=1.0):
+    """`log (1/S) sum_s N(y | f_s, exp(l_s))`: the Monte Carlo predictive log density, summed
+    over target dimensions, in original units (`- D log(y_scale)`).
+
+    Args:
+        samples: `(batch, S, 2 D)` sampled regression outputs.
+        y: targets `(batch,)` or `(batch, D)`.
+        y_scale: standard deviation used to normalise the targets.
+
+    Returns:
+        `(batch,)` log densities.
+    """
+    samples = _sample_axis(samples)
+    dims = samples.shape[-1] // 2
+    f, log_var = samples[..., :dims], samples[..., dims:]
+    y = ops.cast(losses._targets(ops.convert_to_tensor(y), dims, "keras_dvi.predictive"), f.dtype)
+    log_n = -0.5 * (_LOG_2PI + log_var + ops.square(y[:, None, :] - f) * moments.safe_exp(-log_var))
+    log_n = ops.sum(log_n, axis=-1)
+    count = samples.shape[1]
+    return ops.logsumexp(log_n, axis=1) - math.log(count) - dims * math.log(y_scale)
+
+
+def sample_class_probabilities(samples):
+    """Class probabilities `(1/S) sum_s softmax(a_s)` from sampled logits `(batch, S, C)`."""
+    samples = _sample_axis(samples)
+    return ops.mean(ops.softmax(samples, axis=-1), axis=1)

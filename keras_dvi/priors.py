@@ -133,6 +133,56 @@ class GaussianPriorRegularizer(PriorRegularizer):
         return config
 
 
+class WeightPrior:
+    """Base class of the Gaussian weight priors of `GlobalInducingDense` (Ober & Aitchison,
+    2021, eqs. 14-15): every weight (bias included) is `N(0, 1 / prior_precision(fan_in))`."""
+
+    def prior_precision(self, fan_in):
+        """The inverse prior variance of every weight of a layer with `fan_in` inputs."""
+        raise NotImplementedError
+
+    def get_config(self):
+        return {}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class NealPrior(WeightPrior):
+    """`w ~ N(0, 1 / fan_in)` (Ober & Aitchison eq. 14, `S = I`): activations keep their
+    scale through the layers, as with "He" initialisation. The default prior of
+    `GlobalInducingDense`."""
+
+    def prior_precision(self, fan_in):
+        return float(fan_in)
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class StandardPrior(WeightPrior):
+    """`w ~ N(0, 1)` (Ober & Aitchison eq. 15, `S = fan_in I`)."""
+
+    def prior_precision(self, fan_in):
+        return 1.0
+
+
+def get_weight_prior(identifier):
+    """A `WeightPrior` from `"neal"`, `"standard"`, an instance or a serialised config."""
+    if isinstance(identifier, WeightPrior):
+        return identifier
+    if isinstance(identifier, str) and identifier.lower() in ("neal", "standard"):
+        return NealPrior() if identifier.lower() == "neal" else StandardPrior()
+    if isinstance(identifier, dict):
+        obj = keras.saving.deserialize_keras_object(identifier)
+        if isinstance(obj, WeightPrior):
+            return obj
+    raise ValueError(
+        "Argument `prior` must be 'neal', 'standard', a keras_dvi.priors.NealPrior or "
+        f"StandardPrior; received {identifier!r}."
+    )
+
+
 def _size(tensor):
     size = 1
     for dim in tensor.shape:

@@ -83,3 +83,21 @@ def check_moments(mean, second, kind, name="inputs", validate=False):
         ):
             second = tf.identity(second)
     return mean, second
+
+
+def check_same_batch(y_true, y_pred, message):
+    """Raises `ValueError(message)` if `y_pred` has a different batch size than `y_true`
+    (checked statically, eagerly, or with a TensorFlow assertion inside compiled steps)."""
+    true_rows, pred_rows = y_true.shape[0], y_pred.shape[0]
+    if true_rows is not None and pred_rows is not None:
+        if true_rows != pred_rows:
+            _fail(message + f" (targets: {true_rows} rows, output: {pred_rows} rows)")
+        return y_pred
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.control_dependencies(
+            [tf.debugging.assert_equal(tf.shape(y_true)[0], tf.shape(y_pred)[0], message=message)]
+        ):
+            return tf.identity(y_pred)
+    return y_pred

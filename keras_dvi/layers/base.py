@@ -11,21 +11,14 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, priors, sampling, tracking, validation
+from keras_dvi import moments, packing, priors, sampling, validation
+from keras_dvi.layers.reporting import ELBOReportingLayer
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.03
 
 
-class _TrackerRef:
-    """A plain holder, invisible to Keras' attribute tracking."""
-
-    def __init__(self):
-        self.tracker = None
-        self.head = False
-
-
-class BayesianLayer(keras.layers.Layer):
+class BayesianLayer(ELBOReportingLayer):
     """Base class: a factorised Gaussian posterior over a kernel and a bias.
 
     Args:
@@ -66,9 +59,6 @@ class BayesianLayer(keras.layers.Layer):
         super().__init__(**kwargs)
         self.validate = bool(validate)
         self.regularizer = priors.get(regularizer)
-        # Held outside Keras' state tracking (the tracker may belong to another layer, and is
-        # attached after `build` when a saved model is loaded); see the `metrics` property.
-        self._tracker_ref = _TrackerRef()
         self.activation = moments.canonical_activation(activation)
         self.use_bias = bool(use_bias)
         self.kernel_mean_initializer = keras.initializers.get(kernel_mean_initializer)
@@ -221,30 +211,6 @@ class BayesianLayer(keras.layers.Layer):
                 f"`{name}` has {features}."
             )
 
-    def __call__(self, inputs, *args, **kwargs):
-        if self._tracker_ref.tracker is None:
-            self._attach_tracker(inputs)
-        return super().__call__(inputs, *args, **kwargs)
-
-    def _attach_tracker(self, inputs):
-        """Shares the `ELBOTracker` of the keras-dvi layer feeding this one, or starts one."""
-        first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
-        history = getattr(first, "_keras_history", None)
-        upstream = getattr(history, "operation", None) if history is not None else None
-        tracker = getattr(upstream, "elbo_tracker", None)
-        self._tracker_ref.head = tracker is None
-        self._tracker_ref.tracker = tracking.ELBOTracker() if tracker is None else tracker
-
-    @property
-    def elbo_tracker(self):
-        """The `ELBOTracker` metric this layer reports its KL to (`None` before a call)."""
-        return self._tracker_ref.tracker
-
-    @property
-    def metrics(self):
-        tracker = self._tracker_ref.tracker
-        return super().metrics + ([tracker] if tracker is not None else [])
-
     def kl_divergence(self):
         """`KL(q || p) / N` of this layer (kernel and bias sets), or 0 without a regularizer."""
         if self.regularizer is None:
@@ -255,17 +221,7 @@ class BayesianLayer(keras.layers.Layer):
         return kl
 
     def _report_kl(self):
-        tracker, head = self._tracker_ref.tracker, self._tracker_ref.head
-        if self.regularizer is not None:
-            kl = self.kl_divergence()
-            weight = 1.0 if tracker is None else ops.cast(tracker.kl_weight, kl.dtype)
-            self.add_loss(weight * kl)
-            if tracker is not None:
-                tracker.add_kl(kl, new_step=head)
-        elif tracker is not None and head:
-            tracker.add_kl(0.0, new_step=True)
-        if tracker is not None and head:
-            tracking._activate(tracker)
+        self._report_kl_value(None if self.regularizer is None else self.kl_divergence())
 
     def call(self, inputs):
         context = sampling.current_context()

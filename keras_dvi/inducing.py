@@ -1,0 +1,136 @@
+"""Pure maths of global inducing point posteriors (Ober & Aitchison, ICML 2021).
+
+Functions of `keras.ops` tensors, shared by `keras_dvi.GlobalInducingDense` and the tests
+(`../shared/notes/math.md` section 8). Shapes: `S` samples, `M` inducing points, `P` input
+features (bias column included), `U` output units.
+
+For one layer with features `Phi` of the inducing points (`M x P`), pseudo-outputs `V`
+(`M x U`), precisions `lambda` (`M`, or `M x U` per output unit) and prior `w ~ N(0, 1 / p)`
+per weight (eq. 11):
+
+    A = p I + Phi^T diag(lambda) Phi,   Sigma_w = A^{-1},   M_w = A^{-1} Phi^T diag(lambda) V.
+
+A sample is `W = M_w + L^{-T} eps` with `A = L L^T` and `eps ~ N(0, I)`, so that
+`(W - M_w)^T A (W - M_w) = eps^T eps` and `log N(W | M_w, Sigma_w)` needs no second solve.
+"""
+
+import math
+
+from keras import ops
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+def append_ones(features):
+    """`[features, 1]`: the bias as one more input column (`(..., P - 1)` -> `(..., P)`)."""
+    ones = ops.ones_like(features[..., :1])
+    return ops.concatenate([features, ones], axis=-1)
+
+
+def precision_matrix(phi, precision, prior_precision):
+    """`A = p I + Phi^T diag(lambda) Phi`.
+
+    Args:
+        phi: `(S, M, P)` features of the inducing points.
+        precision: `(M,)` shared precisions, or `(M, U)` one column per output unit.
+        prior_precision: scalar `p` (the inverse prior variance of every weight).
+
+    Returns:
+        `(S, P, P)` for shared precisions, `(S, U, P, P)` per unit.
+    """
+    size = phi.shape[-1]
+    eye = ops.eye(size, dtype=phi.dtype) * ops.cast(prior_precision, phi.dtype)
+    if len(precision.shape) == 1:
+        return eye + ops.einsum("smi,m,smj->sij", phi, precision, phi)
+    return eye + ops.einsum("smi,mu,smj->suij", phi, precision, phi)
+
+
+def weight_posterior(phi, precision, pseudo_outputs, prior_precision):
+    """Cholesky factor of `A` and the posterior mean `M_w` (eq. 11).
+
+    Args:
+        phi: `(S, M, P)` features of the inducing points (bias column included).
+        precision: `(M,)` or `(M, U)` positive precisions `lambda`.
+        pseudo_outputs: `(M, U)` pseudo-outputs `V`.
+        prior_precision: scalar `p`.
+
+    Returns:
+        `(chol, mean)`: `chol` lower triangular `(S, P, P)` (shared) or `(S, U, P, P)` (per
+        unit); `mean` `(S, P, U)`.
+    """
+    a = precision_matrix(phi, precision, prior_precision)
+    chol = ops.cholesky(a)
+    if len(precision.shape) == 1:
+        rhs = ops.einsum("smi,m,mu->siu", phi, precision, pseudo_outputs)
+        half = ops.solve_triangular(chol, rhs, lower=True)
+        mean = ops.solve_triangular(_transpose(chol), half, lower=False)
+        return chol, mean
+    rhs = ops.einsum("smi,mu->sui", phi, precision * pseudo_outputs)[..., None]
+    half = ops.solve_triangular(chol, rhs, lower=True)
+    mean = ops.solve_triangular(_transpose(chol), half, lower=False)[..., 0]
+    return chol, ops.transpose(mean, (0, 2, 1))
+
+
+def sample_weights(chol, mean, noise):
+    """`W = M_w + L^{-T} eps`: one weight matrix per sample, `(S, P, U)`.
+
+    Args:
+        chol: Cholesky factor of `A` from `weight_posterior`.
+        mean: `(S, P, U)` posterior mean.
+        noise: `(S, P, U)` standard normal draws `eps`.
+    """
+    if len(chol.shape) == 3:
+        return mean + ops.solve_triangular(_transpose(chol), noise, lower=False)
+    eps = ops.transpose(noise, (0, 2, 1))[..., None]  # (S, U, P, 1)
+    offset = ops.solve_triangular(_transpose(chol), eps, lower=False)[..., 0]
+    return mean + ops.transpose(offset, (0, 2, 1))
+
+
+def log_posterior_density(chol, noise):
+    """`log N(W | M_w, Sigma_w)` summed over the weights of a layer, per sample `(S,)`.
+
+    Uses `(W - M_w)^T A (W - M_w) = eps^T eps` and `log det Sigma_w = -2 sum log diag L`.
+    """
+    units = noise.shape[-1]
+    size = noise.shape[-2]
+    log_diag = ops.log(ops.diagonal(chol, axis1=-2, axis2=-1))
+    if len(chol.shape) == 3:
+        log_det_half = units * ops.sum(log_diag, axis=-1)
+    else:
+        log_det_half = ops.sum(log_diag, axis=(-2, -1))
+    quad = ops.sum(ops.square(noise), axis=(-2, -1))
+    return -0.5 * quad + log_det_half - 0.5 * units * size * _LOG_2PI
+
+
+def log_prior_density(weights, prior_precision):
+    """`log N(W | 0, I / p)` summed over the weights of a layer, per sample `(S,)`."""
+    p = ops.cast(prior_precision, weights.dtype)
+    count = weights.shape[-2] * weights.shape[-1]
+    quad = ops.sum(ops.square(weights), axis=(-2, -1))
+    return -0.5 * p * quad + 0.5 * count * (ops.log(p) - _LOG_2PI)
+
+
+def gaussian_kl_full(chol, mean, prior_precision):
+    """Closed-form `KL(N(M_w, Sigma_w) || N(0, I / p))` summed over output units, `(S,)`.
+
+    The oracle for the Monte Carlo KL `log Q(W) - log P(W)` (used in tests and diagnostics).
+    """
+    p = ops.cast(prior_precision, mean.dtype)
+    size, units = mean.shape[-2], mean.shape[-1]
+    eye = ops.eye(size, dtype=mean.dtype)
+    if len(chol.shape) == 3:
+        inv_chol = ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
+        trace = units * ops.sum(ops.square(inv_chol), axis=(-2, -1))
+        log_det_sigma = -2.0 * units * ops.sum(ops.log(ops.diagonal(chol, axis1=-2, axis2=-1)), axis=-1)
+    else:
+        inv_chol = ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
+        trace = ops.sum(ops.square(inv_chol), axis=(-3, -2, -1))
+        log_det_sigma = -2.0 * ops.sum(ops.log(ops.diagonal(chol, axis1=-2, axis2=-1)), axis=(-2, -1))
+    quad = ops.sum(ops.square(mean), axis=(-2, -1))
+    count = size * units
+    return 0.5 * (p * (trace + quad) - count - count * ops.log(p) - log_det_sigma)
+
+
+def _transpose(matrix):
+    rank = len(matrix.shape)
+    return ops.transpose(matrix, tuple(range(rank - 2)) + (rank - 1, rank - 2))

@@ -1,0 +1,308 @@
+"""`GlobalInducingDense`: a dense layer with a global inducing point posterior."""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_dvi import inducing, priors, validation
+from keras_dvi.layers.reporting import ELBOReportingLayer
+
+#: Appendix H of Ober & Aitchison: the log precisions are stored divided by this factor (and
+#: multiplied back in the forward pass), so Adam moves them this much faster.
+DEFAULT_LOG_PRECISION_SCALE = 3.0
+
+
+def _positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"Argument `{name}` must be a positive integer; received {name}={value!r}.")
+    return int(value)
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class GlobalInducingDense(ELBOReportingLayer):
+    """Fully connected layer with a global inducing point posterior (Ober & Aitchison 2021).
+
+    The weights `W` (bias as one more input row) have the posterior of Bayesian linear
+    regression from the features `phi(U)` of `M` inducing points to learned pseudo-outputs `V`
+    with learned precisions `lambda` (eq. 11, `../shared/notes/math.md` section 8):
+
+    `Sigma_w = (p I + phi(U)^T diag(lambda) phi(U))^-1`, `M_w = Sigma_w phi(U)^T diag(lambda) V`,
+
+    where `p` is the prior precision (`NealPrior`: `p = fan_in`). Every call draws `W ~ N(M_w,
+    Sigma_w)` (one Cholesky factorisation per sample, output units as right-hand sides), and
+    propagates the inducing points and the data with the same draw (Algorithm 1), so the
+    posterior of each layer depends on the weights drawn below it. The layer adds the Monte
+    Carlo KL term `(log Q(W) - log P(W)) / num_train`, averaged over samples, to the model's
+    losses and reports it as `kl` during `fit`.
+
+    A network is a stack of these layers:
+
+    * the first one receives the data `(batch, features)` and owns the inducing inputs `U0`
+      (`num_inducing` rows, a Keras variable), and draws `num_samples` weight samples per call;
+    * the layers in between receive and return the inducing points and the data together,
+      as one tensor `(M + batch, samples, units)` (inducing rows first);
+    * the last one has `output_layer=True` and returns the data part only, `(batch, samples,
+      units)`, which `model.predict` concatenates along the batch.
+
+    Deterministic Keras layers may come before the first layer (the inducing inputs then live
+    in their feature space), not between or after.
+
+    Args:
+        units: positive integer, output width.
+        activation: any Keras activation (applied to the sampled pre-activations).
+        num_inducing: number of inducing points `M` (first layer; later layers inherit it).
+        num_train: number of training examples `N`; the KL is divided by it (first layer;
+            later layers inherit it).
+        output_layer: `True` for the last layer of the stack.
+        prior: `"neal"` (`N(0, 1 / fan_in)`, default), `"standard"` (`N(0, 1)`), or a
+            `keras_dvi.priors.NealPrior` / `StandardPrior`. `fan_in` counts the inputs without
+            the bias column; the bias has the same prior.
+        precision: `"shared"` (one `lambda` per inducing point, one Cholesky factor per sample)
+            or `"per_unit"` (one per inducing point and output unit, as in the paper's UCI
+            runs; one factor per sample and unit).
+        num_samples: weight samples per call (first layer; later layers follow it). The
+            output has a sample axis either way.
+        initial_log_precision: starting `log lambda`; `None` means -4, or 0 for the output
+            layer (paper, Appendix O).
+        log_precision_scale: Appendix H scaling of the stored log precisions (default 3).
+        inducing_initializer: initializer of `U0` (default `N(0, 1)`); see
+            `keras_dvi.initialize_from_data` for the paper's data-based start.
+        pseudo_output_initializer: initializer of `V` (default `N(0, 1)`).
+        seed: integer seed of the layer's weight draws (`None`: from Keras' global seed).
+        validate: data inputs are checked for NaN/inf in eager calls; `True` also checks them
+            inside compiled functions.
+        **kwargs: base layer arguments.
+
+    Input shape:
+        First layer: `(batch, features)`. Others: `(M + batch, samples, features)`.
+
+    Output shape:
+        `(batch, samples, units)` for the output layer, `(M + batch, samples, units)` otherwise.
+
+    Example:
+
+    >>> model = keras.Sequential([
+    ...     keras.Input((1,)),
+    ...     GlobalInducingDense(50, "relu", num_inducing=100, num_train=len(x)),
+    ...     GlobalInducingDense(50, "relu"),
+    ...     GlobalInducingDense(1, output_layer=True),
+    ...     SampledHomoscedasticNoise(),
+    ... ])
+    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledGaussianELL())
+    >>> initialize_from_data(model, x, y)
+    >>> model.fit(x, y, epochs=100)
+    """
+
+    def __init__(
+        self,
+        units,
+        activation=None,
+        num_inducing=None,
+        num_train=None,
+        output_layer=False,
+        prior="neal",
+        precision="shared",
+        num_samples=1,
+        initial_log_precision=None,
+        log_precision_scale=DEFAULT_LOG_PRECISION_SCALE,
+        inducing_initializer=None,
+        pseudo_output_initializer=None,
+        seed=None,
+        validate=False,
+        **kwargs,
+    ):
+        kwargs.setdefault("autocast", False)  # float32 linear algebra under mixed precision
+        super().__init__(**kwargs)
+        self.units = _positive_int("units", units)
+        self.activation = keras.activations.get(activation)
+        self.num_inducing = _positive_int("num_inducing", num_inducing, allow_none=True)
+        self.num_train = None if num_train is None else priors._check_num_train(num_train)
+        self.output_layer = bool(output_layer)
+        self.prior = priors.get_weight_prior(prior)
+        if precision not in ("shared", "per_unit"):
+            raise ValueError(
+                f"Argument `precision` must be 'shared' or 'per_unit'; received {precision!r}."
+            )
+        self.precision = precision
+        self.num_samples = _positive_int("num_samples", num_samples)
+        if initial_log_precision is None:
+            initial_log_precision = 0.0 if self.output_layer else -4.0
+        self.initial_log_precision = float(initial_log_precision)
+        self.log_precision_scale = priors._check_positive("log_precision_scale", log_precision_scale)
+        self.inducing_initializer = keras.initializers.get(
+            inducing_initializer or keras.initializers.RandomNormal(stddev=1.0)
+        )
+        self.pseudo_output_initializer = keras.initializers.get(
+            pseudo_output_initializer or keras.initializers.RandomNormal(stddev=1.0)
+        )
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.validate = bool(validate)
+        self.inducing_inputs = None
+        self._is_first = None
+
+    # ---------------------------------------------------------------- wiring
+
+    def __call__(self, inputs, *args, **kwargs):
+        if not self.built and hasattr(inputs, "shape") and len(inputs.shape) == 3:
+            self._inherit(self.upstream_layer(inputs))
+        return super().__call__(inputs, *args, **kwargs)
+
+    def _inherit(self, upstream):
+        """A later layer takes `num_inducing` and `num_train` from the layer feeding it."""
+        if not isinstance(upstream, GlobalInducingDense):
+            if self.num_inducing is None:
+                raise ValueError(
+                    f"Layer {self.name!r} received a 3-D input that does not come from a "
+                    "GlobalInducingDense layer; pass `num_inducing` explicitly, or feed it "
+                    "2-D data to make it the first layer."
+                )
+            return
+        if upstream.output_layer:
+            raise ValueError(
+                f"Layer {self.name!r} follows {upstream.name!r}, which has `output_layer=True` "
+                "and returns no inducing points: only the last GlobalInducingDense layer may "
+                "be an output layer."
+            )
+        for arg in ("num_inducing", "num_train"):
+            mine, theirs = getattr(self, arg), getattr(upstream, arg)
+            if mine is None:
+                setattr(self, arg, theirs)
+            elif theirs is not None and mine != theirs:
+                raise ValueError(
+                    f"Argument `{arg}` of layer {self.name!r} is {mine}, but the layer feeding "
+                    f"it, {upstream.name!r}, has {theirs}; leave it out to inherit it."
+                )
+
+    def build(self, input_shape):
+        if len(input_shape) not in (2, 3):
+            raise ValueError(
+                f"GlobalInducingDense expects data `(batch, features)` (first layer) or the "
+                f"output of another GlobalInducingDense layer; received shape {input_shape}."
+            )
+        features = input_shape[-1]
+        if features is None:
+            raise ValueError("The last dimension of the inputs to GlobalInducingDense must be defined.")
+        self._is_first = len(input_shape) == 2
+        if self.num_inducing is None:
+            raise ValueError(
+                f"Layer {self.name!r} is the first GlobalInducingDense layer: argument "
+                "`num_inducing` (the number of inducing points, e.g. 100) is required."
+            )
+        if self.num_train is None:
+            raise ValueError(
+                f"Layer {self.name!r}: argument `num_train` (the number of training examples; "
+                "the KL is divided by it) is required on the first GlobalInducingDense layer."
+            )
+        self.fan_in = int(features)
+        if self._is_first:
+            self.inducing_inputs = self.add_weight(
+                name="inducing_inputs",
+                shape=(self.num_inducing, self.fan_in),
+                initializer=self.inducing_initializer,
+                autocast=False,
+            )
+        self.pseudo_outputs = self.add_weight(
+            name="pseudo_outputs",
+            shape=(self.num_inducing, self.units),
+            initializer=self.pseudo_output_initializer,
+            autocast=False,
+        )
+        shape = (self.num_inducing,) if self.precision == "shared" else (self.num_inducing, self.units)
+        self.scaled_log_precision = self.add_weight(
+            name="scaled_log_precision",
+            shape=shape,
+            initializer=keras.initializers.Constant(self.initial_log_precision / self.log_precision_scale),
+            autocast=False,
+        )
+
+    # ---------------------------------------------------------------- maths
+
+    @property
+    def moment_dtype(self):
+        """float32 under mixed precision (Cholesky factorisations need it), else the compute
+        dtype."""
+        dtype = keras.backend.standardize_dtype(self.compute_dtype)
+        return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+    @property
+    def log_precision(self):
+        """`log lambda`, `(M,)` or `(M, units)`."""
+        return self.log_precision_scale * ops.convert_to_tensor(self.scaled_log_precision)
+
+    @property
+    def prior_precision(self):
+        return self.prior.prior_precision(self.fan_in)
+
+    def weight_posterior(self, inducing_features):
+        """`(chol, mean)` of the weight posterior given the inducing features `phi(U)`,
+        `(samples, M, fan_in)` (bias column added here); see `keras_dvi.inducing`."""
+        dtype = self.moment_dtype
+        phi = inducing.append_ones(ops.cast(inducing_features, dtype))
+        precision = ops.exp(ops.cast(self.log_precision, dtype))
+        return inducing.weight_posterior(
+            phi, precision, ops.cast(self.pseudo_outputs, dtype), self.prior_precision
+        )
+
+    def call(self, inputs):
+        dtype = self.moment_dtype
+        inputs = ops.cast(inputs, dtype)
+        m = self.num_inducing
+        if self._is_first:
+            inputs = validation.check_finite(inputs, "inputs", self.validate)
+            rows = ops.concatenate([ops.cast(self.inducing_inputs, dtype), inputs], axis=0)
+            samples = self.num_samples
+            h = ops.broadcast_to(rows[None], (samples,) + tuple(ops.shape(rows)))
+        else:
+            h = ops.transpose(inputs, (1, 0, 2))  # (samples, M + batch, features)
+            samples = inputs.shape[1]
+        chol, mean = self.weight_posterior(h[:, :m])
+        noise = keras.random.normal(
+            (samples, self.fan_in + 1, self.units), dtype=dtype, seed=self.seed_generator
+        )
+        weights = inducing.sample_weights(chol, mean, noise)
+        log_ratio = inducing.log_posterior_density(chol, noise) - inducing.log_prior_density(
+            weights, self.prior_precision
+        )
+        self._report_kl_value(ops.mean(log_ratio) / float(self.num_train))
+        out = self.activation(ops.einsum("snp,spu->snu", inducing.append_ones(h), weights))
+        if self.output_layer:
+            out = out[:, m:]
+        return ops.transpose(out, (1, 0, 2))
+
+    def compute_output_shape(self, input_shape):
+        samples = self.num_samples if len(input_shape) == 2 else input_shape[1]
+        batch = input_shape[0]
+        if len(input_shape) == 2 and not self.output_layer:
+            batch = None if batch is None else batch + self.num_inducing
+        if len(input_shape) == 3 and self.output_layer:
+            batch = None if batch is None else batch - self.num_inducing
+        return (batch, samples, self.units)
+
+    # ---------------------------------------------------------------- config
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "units": self.units,
+                "activation": keras.activations.serialize(self.activation),
+                "num_inducing": self.num_inducing,
+                "num_train": self.num_train,
+                "output_layer": self.output_layer,
+                "prior": keras.saving.serialize_keras_object(self.prior),
+                "precision": self.precision,
+                "num_samples": self.num_samples,
+                "initial_log_precision": self.initial_log_precision,
+                "log_precision_scale": self.log_precision_scale,
+                "inducing_initializer": keras.initializers.serialize(self.inducing_initializer),
+                "pseudo_output_initializer": keras.initializers.serialize(
+                    self.pseudo_output_initializer
+                ),
+                "seed": self.seed,
+                "validate": self.validate,
+            }
+        )
+        return config
