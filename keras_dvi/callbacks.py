@@ -2,14 +2,14 @@
 
 import keras
 
-from keras_dvi.layers.base import BayesianLayer
+from keras_dvi.layers.reporting import ELBOReportingLayer
 
 
 def elbo_trackers(model):
     """The distinct `ELBOTracker`s of a model's keras-dvi layers."""
     trackers = {}
     for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, BayesianLayer) and layer.elbo_tracker is not None:
+        if isinstance(layer, ELBOReportingLayer) and layer.elbo_tracker is not None:
             trackers[id(layer.elbo_tracker)] = layer.elbo_tracker
     return list(trackers.values())
 
@@ -46,6 +46,13 @@ class KLWarmup(keras.callbacks.Callback):
         if self.warmup_steps == 0:
             return 1.0
         return min(1.0, (step - self.delay_steps + 1) / self.warmup_steps)
+
+    def on_train_begin(self, logs=None):
+        if keras.backend.backend() == "jax":
+            raise ValueError(
+                "KLWarmup needs the TensorFlow (or torch) backend: under JAX the KL weight "
+                "cannot be changed inside a compiled training step (keras-dvi keeps it at 1)."
+            )
 
     def on_train_batch_begin(self, batch, logs=None):
         weight = self.weight(self._step)

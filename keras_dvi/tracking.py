@@ -64,4 +64,4 @@ class ELBOTracker(keras.metrics.Metric):
 
     def reset_state(self):
         for variable in self._accumulators:
-            variable.assign(ops.zeros_like(variable))
+            variable.assign(ops.zeros(variable.shape, dtype=variable.dtype))

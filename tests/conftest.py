@@ -28,3 +28,62 @@ def floatx(request):
 
 def to_numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "tensorflow_only: uses a TensorFlow-only feature (skipped on other backends)"
+    )
+    config.addinivalue_line("markers", "heavy: long-running (left out of the JAX backend run)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if keras.backend.backend() == "tensorflow":
+        return
+    skip = pytest.mark.skip(reason=f"TensorFlow-only feature; backend is {keras.backend.backend()}")
+    for item in items:
+        if "tensorflow_only" in item.keywords:
+            item.add_marker(skip)
+
+
+def gradients(fn, arrays):
+    """`(fn(*tensors), [d fn / d tensor])` as NumPy, on the TensorFlow or JAX backend.
+
+    `fn` maps backend tensors made from `arrays` to a scalar."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        value, grads = jax.value_and_grad(lambda ts: fn(*ts))([keras.ops.convert_to_tensor(a) for a in arrays])
+        return to_numpy(value), [to_numpy(g) for g in grads]
+    import tensorflow as tf
+
+    tensors = [tf.Variable(a) for a in arrays]
+    with tf.GradientTape() as tape:
+        value = fn(*tensors)
+    grads = tape.gradient(value, tensors, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return to_numpy(value), [to_numpy(g) for g in grads]
+
+
+def model_gradients(model, inputs, loss_of_outputs=None, training=False):
+    """`(outputs, gradients of loss_of_outputs(outputs) + sum(model.losses))` with respect to
+    the model's trainable variables, as NumPy, on the TensorFlow or JAX backend."""
+    loss_of_outputs = loss_of_outputs or keras.ops.sum
+    if keras.backend.backend() == "jax":
+        import jax
+
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+
+        def objective(values):
+            out, _, losses = model.stateless_call(values, non_trainable, inputs, training=training, return_losses=True)
+            return loss_of_outputs(out) + sum(losses), out
+
+        (_, out), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+        return to_numpy(out), [to_numpy(g) for g in grads]
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        out = model(inputs, training=training)
+        loss = loss_of_outputs(out) + sum(model.losses)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return to_numpy(out), [None if g is None else to_numpy(g) for g in grads]

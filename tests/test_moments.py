@@ -10,7 +10,7 @@ import tensorflow as tf
 from scipy import integrate, special, stats
 
 from keras_dvi import moments
-from tests.conftest import to_numpy
+from tests.conftest import gradients, to_numpy
 
 GRID_MU = np.linspace(-3.0, 3.0, 7)
 RHO_CORE = [-0.9, -0.5, 0.1, 0.5, 0.9]
@@ -256,16 +256,18 @@ def _edge_grid():
 def test_cross_covariance_finite_values_and_gradients_at_edges(activation, method, floatx):
     mj, ml, vj, vl, rho = _edge_grid()
     cov = rho * np.sqrt(vj * vl)
-    tensors = [tf.Variable(a, dtype=floatx) for a in (mj, ml, vj, vl, cov)]
-    with tf.GradientTape() as tape:
-        out = moments.cross_covariance(*tensors, activation, method)
+    arrays = [a.astype(floatx) for a in (mj, ml, vj, vl, cov)]
+
+    def total(*tensors):
         mean_j, var_j = moments.activation_moments(tensors[0], tensors[2], activation)
-        total = tf.reduce_sum(out) + tf.reduce_sum(mean_j) + tf.reduce_sum(var_j)
-    grads = tape.gradient(total, tensors, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    assert np.isfinite(to_numpy(out)).all()
+        return keras.ops.sum(moments.cross_covariance(*tensors, activation, method)) + keras.ops.sum(mean_j) + keras.ops.sum(var_j)
+
+    value, grads = gradients(total, arrays)
+    assert np.isfinite(value)
     for g in grads:
-        assert g is not None and np.isfinite(to_numpy(g)).all()
-    out = to_numpy(out)
+        assert np.isfinite(g).all()
+    out = to_numpy(moments.cross_covariance(*[keras.ops.convert_to_tensor(a) for a in arrays], activation, method))
+    assert np.isfinite(out).all()
     # Deterministic units have zero covariance (a Heaviside unit at mean exactly 0 is a fair
     # coin whatever its variance, so it is left out); for ReLU with both means +40 and unit
     # variances the units are (almost surely) linear, so the covariance is S_jl itself.
@@ -347,15 +349,12 @@ def test_owens_t_matches_scipy(floatx):
 
 
 def test_owens_t_gradients_match_closed_form():
-    h = tf.Variable(np.linspace(-4, 4, 17)[:, None] + np.zeros((1, 9)))
-    a = tf.Variable(np.zeros((17, 1)) + np.array([-5, -1.5, -1, -0.3, 0, 0.3, 1, 1.5, 5.0]))
-    with tf.GradientTape() as tape:
-        t = tf.reduce_sum(moments.owens_t(h, a))
-    dh, da = tape.gradient(t, [h, a])
-    hv, av = h.numpy(), a.numpy()
+    hv = np.linspace(-4, 4, 17)[:, None] + np.zeros((1, 9))
+    av = np.zeros((17, 1)) + np.array([-5, -1.5, -1, -0.3, 0, 0.3, 1, 1.5, 5.0])
+    _, (dh, da) = gradients(lambda h, a: keras.ops.sum(moments.owens_t(h, a)), [hv, av])
     # dT/da = exp(-h^2 (1 + a^2) / 2) / (2 pi (1 + a^2)); dT/dh = -phi(h) erf(a h / sqrt 2) / 2.
-    np.testing.assert_allclose(da.numpy(), np.exp(-0.5 * hv**2 * (1 + av**2)) / (2 * np.pi * (1 + av**2)), atol=1e-12)
-    np.testing.assert_allclose(dh.numpy(), -stats.norm.pdf(hv) * special.erf(av * hv / np.sqrt(2)) / 2, atol=1e-12)
+    np.testing.assert_allclose(da, np.exp(-0.5 * hv**2 * (1 + av**2)) / (2 * np.pi * (1 + av**2)), atol=1e-12)
+    np.testing.assert_allclose(dh, -stats.norm.pdf(hv) * special.erf(av * hv / np.sqrt(2)) / 2, atol=1e-12)
 
 
 # ------------------------------------------------------------------ validation

@@ -65,6 +65,7 @@ def test_losses_refuse_non_finite_targets_and_outputs():
         sample_outputs(keras.Sequential([keras.Input((2,)), DenseDVI(1)]), np.array([[np.nan, 0.0]], "float32"), 3)
 
 
+@pytest.mark.tensorflow_only  # graph-mode checks are TensorFlow assertions
 def test_graph_mode_checks_are_opt_in():
     layer = DenseDVI(2, validate=True)
     layer.build((None, 3))
@@ -77,6 +78,7 @@ def test_graph_mode_checks_are_opt_in():
     assert np.isnan(loose(tf.constant([[0.0, np.nan, 1.0]])).numpy()).any()  # no check: NaN flows
 
 
+@pytest.mark.tensorflow_only  # graph-mode checks are TensorFlow assertions
 def test_validate_flag_in_fit():
     x = np.random.default_rng(0).normal(size=(8, 2)).astype("float32")
     y = np.zeros(8, "float32")

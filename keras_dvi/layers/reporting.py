@@ -41,7 +41,13 @@ class ELBOReportingLayer(keras.layers.Layer):
         return getattr(history, "operation", None) if history is not None else None
 
     def _attach_tracker(self, inputs):
-        """Shares the `ELBOTracker` of the keras-dvi layer feeding this one, or starts one."""
+        """Shares the `ELBOTracker` of the keras-dvi layer feeding this one, or starts one.
+
+        Not under JAX: its trainer runs layers statelessly and would drop (or fail on) the
+        tracker's variable updates inside `call`; there the KL still enters the loss, but the
+        `nll` / `kl` log entries and `KLWarmup` are not available."""
+        if keras.backend.backend() == "jax":
+            return
         tracker = getattr(self.upstream_layer(inputs), "elbo_tracker", None)
         self._tracker_ref.head = tracker is None
         self._tracker_ref.tracker = tracking.ELBOTracker() if tracker is None else tracker
