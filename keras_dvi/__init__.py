@@ -2,7 +2,8 @@
 
 Public API:
 
-* layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`;
+* layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`, and the
+  Monte Carlo baseline `DenseMCVI`;
 * global inducing points: `GlobalInducingDense`, `SampledHomoscedasticNoise`, the losses
   `SampledGaussianELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
   `initialize_from_data(model, x, y)`, `predict_samples(model, x, num_samples)` and
@@ -23,6 +24,7 @@ from keras_dvi.global_inducing import initialize_from_data, predict_samples, set
 from keras_dvi.layers import (
     DenseDiagDVI,
     DenseDVI,
+    DenseMCVI,
     GlobalInducingDense,
     HomoscedasticNoise,
     SampledHomoscedasticNoise,
@@ -37,6 +39,7 @@ from keras_dvi.sampling import sample_outputs
 __all__ = [
     "DenseDVI",
     "DenseDiagDVI",
+    "DenseMCVI",
     "SkipDVI",
     "SkipDiagDVI",
     "HomoscedasticNoise",

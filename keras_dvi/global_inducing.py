@@ -75,17 +75,25 @@ def initialize_from_data(model, x, y=None, seed=None):
     output.pseudo_outputs.assign(pseudo.astype(output.pseudo_outputs.dtype))
 
 
+def _sampling_head(model):
+    """The layer that sets the sample axis: the first with a `num_samples` setting."""
+    for layer in model._flatten_layers(include_self=False):
+        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
+            return layer
+    raise ValueError("Argument `model` has no sampling layer (GlobalInducingDense or DenseMCVI).")
+
+
 def predict_samples(model, x, num_samples, batch_size=None, verbose=0):
     """`model.predict(x)` with `num_samples` weight samples per batch.
 
-    Sets the sample count of the first `GlobalInducingDense` layer for this call (the model's
-    own setting is restored afterwards) and returns the `(n, num_samples, units)` output
+    For models of `GlobalInducingDense` or `DenseMCVI` layers. Sets the sample count of the
+    first such layer for this call (the model's own setting is restored afterwards) and returns the `(n, num_samples, units)` output
     samples, ready for `keras_dvi.predictive.sample_regression_moments`,
     `sample_log_predictive_density` or `sample_class_probabilities`.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
         raise ValueError(f"Argument `num_samples` must be a positive integer; received {num_samples!r}.")
-    first, _ = _first_and_output(model)
+    first = _sampling_head(model)
     previous = first.num_samples
     first.num_samples = num_samples
     model.predict_function = None  # retrace with the new sample count

@@ -1,7 +1,8 @@
 """The layers, losses and priors on Keras' JAX backend.
 
-Runs the layer, validation, loss-edge and global-inducing tests again in a subprocess with
-`KERAS_BACKEND=jax` (and `JAX_ENABLE_X64=1` for the float64 cases). Tests marked
+Runs a cross-section of the suite again in a subprocess with `KERAS_BACKEND=jax`: every
+layer end to end, save/load, float64, gradients at the numerical edges, the losses, the
+global inducing and MCVI tests (and `JAX_ENABLE_X64=1` for the float64 cases). Tests marked
 `tensorflow_only` (the `nll` / `kl` log entries, `KLWarmup`, graph-mode validation, XLA
 through `jit_compile`) are skipped there; `heavy` ones (long trainings) are left out.
 """
@@ -20,10 +21,18 @@ def test_suite_runs_on_the_jax_backend():
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_ENABLE_X64="1", TF_CPP_MIN_LOG_LEVEL="3")
     command = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy",
-        "tests/test_layers.py", "tests/test_validation.py", "tests/test_global_inducing.py",
+        # layers: every layer type end to end, fit, save/load, float64, edge gradients
+        "tests/test_layers.py::test_network_gradients_finite_at_edges",
+        "tests/test_layers.py::test_trains_with_model_fit_on_packed_outputs",
+        "tests/test_layers.py::test_saved_model_predicts_the_same",
+        "tests/test_layers.py::test_float64_layers",
+        # losses and moments at their numerical edges (values and gradients)
         "tests/test_objective.py::test_losses_finite_at_extreme_values",
         "tests/test_moments.py::test_owens_t_gradients_match_closed_form",
         "tests/test_moments.py::test_cross_covariance_finite_values_and_gradients_at_edges",
+        # global inducing: maths, Bayesian linear regression, training, wiring errors
+        "tests/test_global_inducing.py", "tests/test_mcvi.py",
+        "tests/test_validation.py::test_mixed_precision_computes_moments_in_float32_and_trains",
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     tail = result.stdout[-6000:] + result.stderr[-2000:]

@@ -1,0 +1,149 @@
+"""Runtime benchmark: the paper's Figure 4 on this machine, plus whole-network training steps.
+
+    python benchmarks/runtime.py --out benchmarks/runtime_results.md
+
+1. Forward + backward time to propagate a batch of 10 through one `d x d` ReLU layer, for `d`
+   from 16 to 1024: `DenseDVI` on a full-covariance input (the paper's setting: the layer
+   inside a deep network), `DenseDiagDVI` on a diagonal input, and `DenseMCVI` with `S` in
+   {1, 10, 100, 300} weight samples. Times are medians over repeats of a compiled
+   (`tf.function`) step; ratios are taken within the same run.
+2. Training-step time (`model.train_on_batch`, batch 50) of 1-128-128-2 ReLU networks:
+   DVI, dDVI, MCVI (S = 10) against a plain `keras.layers.Dense` network of the same shape.
+
+Memory: the size of the largest per-step tensor (covariance `B d^2`, sampled kernels
+`S d^2`) in MB, float32, and the process's peak resident memory at the end.
+"""
+
+import argparse
+import os
+import resource
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_dvi as kd  # noqa: E402
+from keras_dvi.packing import pack  # noqa: E402
+
+
+def _median_time(fn, repeats):
+    fn()  # trace and warm up
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _step(layer, inputs):
+    @tf.function
+    def run():
+        with tf.GradientTape() as tape:
+            out = layer(inputs)
+            loss = tf.reduce_sum(out)
+        grads = tape.gradient(loss, layer.trainable_variables)
+        return loss, grads
+
+    return lambda: [t.numpy() if hasattr(t, "numpy") else t for t in tf.nest.flatten(run())][:1]
+
+
+def layer_times(d, batch, samples, repeats):
+    rng = np.random.default_rng(0)
+    mean = rng.standard_normal((batch, d)).astype("float32")
+    a = rng.standard_normal((batch, d, d)).astype("float32") / d
+    cov = np.einsum("bij,bkj->bik", a, a) + 0.1 * np.eye(d, dtype="float32")
+    var = np.ascontiguousarray(np.diagonal(cov, axis1=1, axis2=2))
+    row = {"d": d}
+    row["dvi"] = _median_time(_step(kd.DenseDVI(d, "relu"), pack(mean, cov)), repeats)
+    row["ddvi"] = _median_time(_step(kd.DenseDiagDVI(d, "relu"), pack(mean, var)), repeats)
+    for s in samples:
+        if s * d * d > 4e8:  # more than 1.6 GB of sampled kernels: skip
+            row[f"mcvi{s}"] = float("nan")
+            continue
+        row[f"mcvi{s}"] = _median_time(_step(kd.DenseMCVI(d, "relu", num_samples=s), mean), repeats)
+    return row
+
+
+def network_times(repeats):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((50, 1)).astype("float32")
+    y = rng.standard_normal((50, 1)).astype("float32")
+    prior = kd.EmpiricalBayesRegularizer(500)
+    shapes = {
+        "plain Dense": ([keras.layers.Dense(128, "relu"), keras.layers.Dense(128, "relu"), keras.layers.Dense(2)],
+                        lambda t, p: keras.ops.mean(keras.ops.square(t - p[:, :1]))),
+        "DVI": ([kd.DenseDVI(128, "relu", regularizer=prior), kd.DenseDVI(128, "relu", regularizer=prior),
+                 kd.DenseDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
+        "dDVI": ([kd.DenseDiagDVI(128, "relu", regularizer=prior), kd.DenseDiagDVI(128, "relu", regularizer=prior),
+                  kd.DenseDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
+        "MCVI S=10": ([kd.DenseMCVI(128, "relu", num_samples=10, regularizer=prior),
+                       kd.DenseMCVI(128, "relu", regularizer=prior), kd.DenseMCVI(2, regularizer=prior)],
+                      kd.SampledGaussianELL()),
+    }
+    times = {}
+    for name, (layers, loss) in shapes.items():
+        model = keras.Sequential([keras.Input((1,))] + layers)
+        model.compile(keras.optimizers.Adam(1e-3), loss=loss)
+        times[name] = _median_time(lambda: model.train_on_batch(x, y), repeats)
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
+    parser.add_argument("--samples", type=int, nargs="+", default=[1, 10, 100, 300])
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    for d in args.dims:
+        rows.append(layer_times(d, args.batch, args.samples, args.repeats))
+        print(rows[-1], flush=True)
+    net = network_times(max(args.repeats, 20))
+    cols = ["dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]
+    lines = [
+        f"One `d x d` ReLU layer, batch {args.batch}, forward + backward, median ms "
+        "(ratio to DVI in brackets):",
+        "",
+        "| d | DVI (full cov.) | dDVI | " + " | ".join(f"MCVI S={s}" for s in args.samples) + " | DVI cov. MB | MCVI S=300 kernels MB |",
+        "|---|" + "---|" * (len(cols) + 2),
+    ]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r[c]
+            cells.append("skipped" if np.isnan(v) else f"{1e3 * v:.2f} ({v / r['dvi']:.2f})")
+        cov_mb = args.batch * r["d"] ** 2 * 4 / 1e6
+        ker_mb = 300 * r["d"] ** 2 * 4 / 1e6
+        lines.append(f"| {r['d']} | " + " | ".join(cells) + f" | {cov_mb:.1f} | {ker_mb:.0f} |")
+    dims = np.array([r["d"] for r in rows], dtype=float)
+    lines += ["", "Growth exponent of time with d (least squares on log-log, d >= 128):", ""]
+    big = dims >= 128
+    for c in cols:
+        t = np.array([r[c] for r in rows])
+        ok = big & np.isfinite(t)
+        if ok.sum() >= 2:
+            slope = np.polyfit(np.log(dims[ok]), np.log(t[ok]), 1)[0]
+            lines.append(f"- {c}: d^{slope:.2f}")
+    base = net["plain Dense"]
+    lines += ["", "Training step of 1-128-128-2 ReLU networks, batch 50 (`train_on_batch`), median ms:", "",
+              "| network | ms / step | ratio to plain Dense |", "|---|---|---|"]
+    for name, t in net.items():
+        lines.append(f"| {name} | {1e3 * t:.1f} | {t / base:.1f} |")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    lines += ["", f"Peak resident memory of the benchmark process: {peak:.0f} MB."]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"`python benchmarks/runtime.py --out {args.out}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

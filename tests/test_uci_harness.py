@@ -1,0 +1,80 @@
+"""The UCI benchmark harness (`benchmarks/uci.py`) on a tiny data set in the UCI layout."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from benchmarks import uci
+from keras_dvi.packing import pack
+
+
+@pytest.fixture
+def folder(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((30, 3)) * [1.0, 10.0, 0.0] + [0.0, 5.0, 2.0]  # a constant column
+    y = 100.0 + 20.0 * x[:, :1] + rng.standard_normal((30, 1))
+    np.savetxt(tmp_path / "data.txt", np.hstack([y, x]))  # target first, features after
+    (tmp_path / "index_features.txt").write_text("1\n2\n3\n")
+    (tmp_path / "index_target.txt").write_text("0\n")
+    (tmp_path / "n_splits.txt").write_text("2\n")
+    for k in range(2):
+        perm = np.random.default_rng(k).permutation(30)
+        np.savetxt(tmp_path / f"index_train_{k}.txt", perm[:25], fmt="%d")
+        np.savetxt(tmp_path / f"index_test_{k}.txt", perm[25:], fmt="%d")
+    return str(tmp_path)
+
+
+def test_load_split_and_normalise_with_training_statistics(folder):
+    (x, y), (xt, yt) = uci.load_split(folder, 1)
+    data = np.loadtxt(os.path.join(folder, "data.txt"))
+    train = np.loadtxt(os.path.join(folder, "index_train_1.txt"), dtype=int)
+    np.testing.assert_array_equal(x, data[train, 1:])
+    np.testing.assert_array_equal(y, data[train, 0])
+    assert xt.shape == (5, 3) and uci.num_splits(folder) == 2
+    d = uci.normalise((x, y), (xt, yt))
+    np.testing.assert_allclose(d["x"][:, :2].mean(axis=0), 0.0, atol=1e-6)
+    np.testing.assert_allclose(d["x"][:, :2].std(axis=0), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(d["x"][:, 2], 0.0)  # zero std counts as 1, no NaN
+    assert d["y_mean"] == pytest.approx(y.mean()) and d["y_std"] == pytest.approx(y.std())
+    np.testing.assert_allclose(d["y_test"], (yt - y.mean()) / y.std(), rtol=1e-5)
+
+
+def test_log_likelihood_is_reported_in_original_units(folder):
+    d = uci.normalise(*uci.load_split(folder, 0))
+    m = np.linspace(-1, 1, 5).astype("float32")
+    log_var = np.full(5, -1.0, dtype="float32")
+    y_pred = pack(np.stack([m, log_var], axis=1), np.zeros((5, 2), dtype="float32"))  # deterministic
+    ll, rmse = uci.score(y_pred, d, sampled=False)
+    y_orig = d["y_test"] * d["y_std"] + d["y_mean"]
+    mean_orig = m * d["y_std"] + d["y_mean"]
+    sd_orig = math.exp(-0.5) * d["y_std"]
+    assert ll == pytest.approx(stats.norm(mean_orig, sd_orig).logpdf(y_orig).mean(), rel=1e-5)
+    assert rmse == pytest.approx(np.sqrt(np.mean((mean_orig - y_orig) ** 2)), rel=1e-5)
+    # Samples all equal to (m, log_var) give the same density.
+    samples = np.repeat(np.stack([m, log_var], axis=1)[:, None, :], 3, axis=1)
+    assert uci.score(samples, d, sampled=True)[0] == pytest.approx(ll, rel=1e-5)
+
+
+def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
+    results = str(tmp_path / "results")
+    args = ["--data", folder, "--methods", "dvi", "mcvi", "gi", "--splits", "0", "1", "--results", results,
+            "--jobs", "1", "--steps", "3", "--gi-steps", "2", "--inducing", "5", "--mcvi-samples", "2"]
+    summary = uci.main(args)
+    assert {s["method"] for s in summary} == {"dvi", "mcvi", "gi"}
+    assert all(s["splits"] == 2 and np.isfinite(s["test_ll"]) for s in summary)
+    cached = os.path.join(results, os.path.basename(folder), "dvi", "split_1.json")
+    with open(cached) as f:
+        record = json.load(f)
+    assert record["split"] == 1 and record["num_train"] == 25
+    os.remove(os.path.join(results, os.path.basename(folder), "gi", "split_0.json"))
+    calls = []
+    real = uci.run_one
+    monkeypatch.setattr(uci, "run_one", lambda *a: calls.append(a[1:3]) or real(*a))
+    again = uci.main(args)
+    assert calls == [("gi", 0)]  # only the missing split is recomputed
+    assert [s["test_ll"] for s in again if s["method"] == "dvi"] == [s["test_ll"] for s in summary if s["method"] == "dvi"]
+    assert os.path.exists(os.path.join(results, "summary.md"))
