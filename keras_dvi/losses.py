@@ -245,6 +245,13 @@ class SampledSoftmaxELL(keras.losses.Loss):
         reduction: Keras loss reduction (default: mean over the batch).
         name: loss name.
         dtype: dtype of the loss computation.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((64,)),
+    ...     GlobalInducingDense(50, "relu", num_inducing=100, num_train=len(x)),
+    ...     GlobalInducingDense(10, output_layer=True)])
+    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledSoftmaxELL())
     """
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_softmax_ell", dtype=None):
