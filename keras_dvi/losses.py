@@ -35,8 +35,21 @@ def _targets(y_true, dims, name):
     )
 
 
+class _ValidatingLoss(keras.losses.Loss):
+    """Base of the keras-dvi losses: the `validate` flag and its config entry."""
+
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name=None, dtype=None):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self.validate = bool(validate)
+
+    def get_config(self):
+        config = super().get_config()
+        config["validate"] = self.validate
+        return config
+
+
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class HeteroscedasticELL(keras.losses.Loss):
+class HeteroscedasticELL(_ValidatingLoss):
     """Negative expected Gaussian log-likelihood with a learned, input-dependent noise.
 
     Wu et al. (ICLR 2019), eq. 8 (math.md section 5): for each target dimension the network
@@ -66,8 +79,7 @@ class HeteroscedasticELL(keras.losses.Loss):
     """
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="heteroscedastic_ell", dtype=None):
-        super().__init__(name=name, reduction=reduction, dtype=dtype)
-        self.validate = bool(validate)
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
         mean, second = packing.unpack(y_pred)
@@ -95,14 +107,9 @@ class HeteroscedasticELL(keras.losses.Loss):
         _report(nll)
         return nll
 
-    def get_config(self):
-        config = super().get_config()
-        config["validate"] = self.validate
-        return config
-
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SoftmaxDeltaELL(keras.losses.Loss):
+class SoftmaxDeltaELL(_ValidatingLoss):
     """Negative expected log-likelihood of a softmax (categorical) likelihood over logits.
 
     Logits `a ~ N(m, S)` (the packed output of the last keras-dvi layer, `C >= 2` units).
@@ -123,8 +130,7 @@ class SoftmaxDeltaELL(keras.losses.Loss):
     """
 
     def __init__(self, method="delta", validate=False, reduction="sum_over_batch_size", name="softmax_delta_ell", dtype=None):
-        super().__init__(name=name, reduction=reduction, dtype=dtype)
-        self.validate = bool(validate)
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
         if method not in ("delta", "jankowiak"):
             raise ValueError(
                 f"Argument `method` must be 'delta' or 'jankowiak'; received method={method!r}."
@@ -161,7 +167,6 @@ class SoftmaxDeltaELL(keras.losses.Loss):
     def get_config(self):
         config = super().get_config()
         config["method"] = self.method
-        config["validate"] = self.validate
         return config
 
 
@@ -182,7 +187,7 @@ def _samples(y_pred, name, y_true):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SampledGaussianELL(keras.losses.Loss):
+class SampledGaussianELL(_ValidatingLoss):
     """Monte Carlo negative expected Gaussian log-likelihood over output samples.
 
     For samples `f_s` of the function and log noise variances `l_s` (`S` samples), the
@@ -204,8 +209,7 @@ class SampledGaussianELL(keras.losses.Loss):
     """
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_gaussian_ell", dtype=None):
-        super().__init__(name=name, reduction=reduction, dtype=dtype)
-        self.validate = bool(validate)
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
         y_pred = _samples(y_pred, "SampledGaussianELL", y_true)
@@ -227,14 +231,9 @@ class SampledGaussianELL(keras.losses.Loss):
         _report(nll)
         return nll
 
-    def get_config(self):
-        config = super().get_config()
-        config["validate"] = self.validate
-        return config
-
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SampledSoftmaxELL(keras.losses.Loss):
+class SampledSoftmaxELL(_ValidatingLoss):
     """Monte Carlo negative expected softmax log-likelihood over sampled logits.
 
     `(1/S) sum_s -log softmax(a_s)_y` for logit samples `a_s`, `(batch, samples, C)`. Labels as
@@ -255,8 +254,7 @@ class SampledSoftmaxELL(keras.losses.Loss):
     """
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_softmax_ell", dtype=None):
-        super().__init__(name=name, reduction=reduction, dtype=dtype)
-        self.validate = bool(validate)
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
         y_pred = _samples(y_pred, "SampledSoftmaxELL", y_true)
@@ -272,11 +270,6 @@ class SampledSoftmaxELL(keras.losses.Loss):
         nll = -ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1)
         _report(nll)
         return nll
-
-    def get_config(self):
-        config = super().get_config()
-        config["validate"] = self.validate
-        return config
 
 
 def _labels(y_true, classes, dtype):
