@@ -7,8 +7,11 @@
    inside a deep network), `DenseDiagDVI` on a diagonal input, and `DenseMCVI` with `S` in
    {1, 10, 100, 300} weight samples. Times are medians over repeats of a compiled
    (`tf.function`) step; ratios are taken within the same run.
-2. Training-step time (`model.train_on_batch`, batch 50) of 1-128-128-2 ReLU networks:
-   DVI, dDVI, MCVI (S = 10) against a plain `keras.layers.Dense` network of the same shape.
+   A plain `keras.layers.Dense` ReLU layer is timed alongside as the baseline.
+2. Training-step time (one `fit` epoch, as users train) of whole in-w-w-2 ReLU networks: DVI,
+   dDVI (diagonal throughout), MCVI (S = 10) against a plain `keras.layers.Dense` network of
+   the same shape, at a small, overhead-bound size (1-128-128-2, batch 50) and a larger,
+   compute-bound one (512-512-512-2, batch 256).
 
 Memory: the size of the largest per-step tensor (covariance `B d^2`, sampled kernels
 `S d^2`) in MB, float32, and the process's peak resident memory at the end.
@@ -59,6 +62,7 @@ def layer_times(d, batch, samples, repeats):
     cov = np.einsum("bij,bkj->bik", a, a) + 0.1 * np.eye(d, dtype="float32")
     var = np.ascontiguousarray(np.diagonal(cov, axis1=1, axis2=2))
     row = {"d": d}
+    row["dense"] = _median_time(_step(keras.layers.Dense(d, "relu"), mean), repeats)
     row["dvi"] = _median_time(_step(kd.DenseDVI(d, "relu"), pack(mean, cov)), repeats)
     row["ddvi"] = _median_time(_step(kd.DenseDiagDVI(d, "relu"), pack(mean, var)), repeats)
     for s in samples:
@@ -69,27 +73,32 @@ def layer_times(d, batch, samples, repeats):
     return row
 
 
-def network_times(repeats):
+def network_times(width, batch, in_dim, steps):
+    """Seconds per training step of in-width-width-2 ReLU networks, timed over one `fit`
+    epoch of `steps` batches (after a warm-up epoch), as users train."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((50, 1)).astype("float32")
-    y = rng.standard_normal((50, 1)).astype("float32")
-    prior = kd.EmpiricalBayesRegularizer(500)
+    x = rng.standard_normal((batch * steps, in_dim)).astype("float32")
+    y = rng.standard_normal((batch * steps, 1)).astype("float32")
+    prior = kd.EmpiricalBayesRegularizer(batch * steps)
     shapes = {
-        "plain Dense": ([keras.layers.Dense(128, "relu"), keras.layers.Dense(128, "relu"), keras.layers.Dense(2)],
+        "plain Dense": (lambda: [keras.layers.Dense(width, "relu"), keras.layers.Dense(width, "relu"), keras.layers.Dense(2)],
                         lambda t, p: keras.ops.mean(keras.ops.square(t - p[:, :1]))),
-        "DVI": ([kd.DenseDVI(128, "relu", regularizer=prior), kd.DenseDVI(128, "relu", regularizer=prior),
-                 kd.DenseDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
-        "dDVI": ([kd.DenseDiagDVI(128, "relu", regularizer=prior), kd.DenseDiagDVI(128, "relu", regularizer=prior),
-                  kd.DenseDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
-        "MCVI S=10": ([kd.DenseMCVI(128, "relu", num_samples=10, regularizer=prior),
-                       kd.DenseMCVI(128, "relu", regularizer=prior), kd.DenseMCVI(2, regularizer=prior)],
+        "DVI": (lambda: [kd.DenseDVI(width, "relu", regularizer=prior), kd.DenseDVI(width, "relu", regularizer=prior),
+                         kd.DenseDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
+        "dDVI": (lambda: [kd.DenseDiagDVI(width, "relu", regularizer=prior), kd.DenseDiagDVI(width, "relu", regularizer=prior),
+                          kd.DenseDiagDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
+        "MCVI S=10": (lambda: [kd.DenseMCVI(width, "relu", num_samples=10, regularizer=prior),
+                               kd.DenseMCVI(width, "relu", regularizer=prior), kd.DenseMCVI(2, regularizer=prior)],
                       kd.SampledGaussianELL()),
     }
     times = {}
     for name, (layers, loss) in shapes.items():
-        model = keras.Sequential([keras.Input((1,))] + layers)
+        model = keras.Sequential([keras.Input((in_dim,))] + layers())
         model.compile(keras.optimizers.Adam(1e-3), loss=loss)
-        times[name] = _median_time(lambda: model.train_on_batch(x, y), repeats)
+        model.fit(x[: batch * 5], y[: batch * 5], batch_size=batch, epochs=1, verbose=0)
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        times[name] = (time.perf_counter() - start) / steps
     return times
 
 
@@ -99,19 +108,23 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 10, 100, 300])
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--networks", type=lambda v: tuple(int(t) for t in v.split(",")), nargs="+",
+                        default=[(128, 50, 1), (512, 256, 512)], help="width,batch,inputs of whole networks")
+    parser.add_argument("--steps", type=int, default=200, help="timed training steps per network")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = []
     for d in args.dims:
         rows.append(layer_times(d, args.batch, args.samples, args.repeats))
         print(rows[-1], flush=True)
-    net = network_times(max(args.repeats, 20))
-    cols = ["dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]
+    nets = {(w, b, i): network_times(w, b, i, args.steps) for w, b, i in args.networks}
+    cols = ["dense", "dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]
     lines = [
         f"One `d x d` ReLU layer, batch {args.batch}, forward + backward, median ms "
         "(ratio to DVI in brackets):",
         "",
-        "| d | DVI (full cov.) | dDVI | " + " | ".join(f"MCVI S={s}" for s in args.samples) + " | DVI cov. MB | MCVI S=300 kernels MB |",
+        "| d | plain Dense | DVI (full cov.) | dDVI | " + " | ".join(f"MCVI S={s}" for s in args.samples)
+        + " | DVI cov. MB | MCVI S=300 kernels MB |",
         "|---|" + "---|" * (len(cols) + 2),
     ]
     for r in rows:
@@ -131,11 +144,12 @@ def main(argv=None):
         if ok.sum() >= 2:
             slope = np.polyfit(np.log(dims[ok]), np.log(t[ok]), 1)[0]
             lines.append(f"- {c}: d^{slope:.2f}")
-    base = net["plain Dense"]
-    lines += ["", "Training step of 1-128-128-2 ReLU networks, batch 50 (`train_on_batch`), median ms:", "",
-              "| network | ms / step | ratio to plain Dense |", "|---|---|---|"]
-    for name, t in net.items():
-        lines.append(f"| {name} | {1e3 * t:.1f} | {t / base:.1f} |")
+    for (width, batch, in_dim), net in nets.items():
+        base = net["plain Dense"]
+        lines += ["", f"Training step of {in_dim}-{width}-{width}-2 ReLU networks, batch {batch} (one `fit` epoch of "
+                  f"{args.steps} steps), ms:", "", "| network | ms / step | ratio to plain Dense |", "|---|---|---|"]
+        for name, t in net.items():
+            lines.append(f"| {name} | {1e3 * t:.2f} | {t / base:.1f} |")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lines += ["", f"Peak resident memory of the benchmark process: {peak:.0f} MB."]
     text = "\n".join(lines)

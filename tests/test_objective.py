@@ -398,6 +398,28 @@ def test_homoscedastic_noise_layer_shapes_and_config():
     assert clone.initial_log_variance == -2.0
 
 
+def test_homoscedastic_noise_scale_speeds_up_the_log_variance_by_scale_squared():
+    """With `log_variance_scale = s` the variable holds `l / s`: the output still starts at
+    `initial_log_variance`, and the gradient with respect to the variable is `s dL/dl`, with
+    `dL/dl = mean(1 - (y - m)^2 exp(-l)) / 2` for the Gaussian negative log-likelihood."""
+    from tests.conftest import model_gradients
+
+    rng = np.random.default_rng(3)
+    m, y = rng.normal(size=(6, 1)).astype("float32"), rng.normal(size=(6, 1)).astype("float32")
+    for scale in (1.0, 10.0):
+        model = keras.Sequential([keras.Input((1,)), HomoscedasticNoise(-1.5, log_variance_scale=scale)])
+        loss = HeteroscedasticELL()
+        out, grads = model_gradients(model, m, lambda out: loss(y, out))
+        np.testing.assert_allclose(to_numpy(unpack(out)[0])[:, 1], -1.5, rtol=1e-6)
+        np.testing.assert_allclose(to_numpy(model.layers[0].scaled_log_variance), [-1.5 / scale], rtol=1e-6)
+        expected = np.mean(1.0 - (y - m) ** 2 * np.exp(1.5)) / 2.0
+        np.testing.assert_allclose(grads[0], [scale * expected], rtol=1e-5)
+    layer = HomoscedasticNoise(-3.0, log_variance_scale=10.0)
+    assert HomoscedasticNoise.from_config(layer.get_config()).get_config() == layer.get_config()
+    with pytest.raises(ValueError, match="log_variance_scale"):
+        HomoscedasticNoise(log_variance_scale=0.0)
+
+
 @pytest.mark.heavy
 def test_training_the_main_job_model_beats_a_constant_gaussian():
     """The README's main job, as it runs by default (about 2 minutes), on the bundled toy data."""

@@ -78,3 +78,27 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     assert calls == [("gi", 0)]  # only the missing split is recomputed
     assert [s["test_ll"] for s in again if s["method"] == "dvi"] == [s["test_ll"] for s in summary if s["method"] == "dvi"]
     assert os.path.exists(os.path.join(results, "summary.md"))
+
+
+def test_epoch_stream_is_consecutive_fresh_permutations_with_aligned_targets():
+    x = np.arange(10.0)[:, None] * [1.0, -1.0]
+    y = np.arange(10.0) * 3.0
+    xs, ys = uci.epoch_stream(x, y, steps=7, batch=4, seed=0)
+    assert xs.shape == (28, 2) and ys.shape == (28,)
+    np.testing.assert_array_equal(ys, xs[:, 0] * 3.0)  # rows stay paired
+    rows = xs[:, 0].astype(int)
+    assert sorted(rows[:10]) == list(range(10)) and sorted(rows[10:20]) == list(range(10))
+    assert len(set(rows[20:])) == 8  # the last, partial pass repeats no row
+    assert not np.array_equal(rows[:10], rows[10:20])  # a fresh order every pass
+
+
+def test_wide_table_marks_results_within_one_standard_error_of_the_paper():
+    summary = [
+        {"dataset": "yacht", "method": "dvi", "splits": 20, "test_ll": -0.50, "test_ll_se": 0.04, "published_ll": -0.47},
+        {"dataset": "yacht", "method": "mcvi", "splits": 20, "test_ll": -0.75, "test_ll_se": 0.05, "published_ll": -0.68},
+        {"dataset": "yacht", "method": "gi", "splits": 2, "test_ll": -0.60, "test_ll_se": 0.01, "published_ll": -0.68},
+    ]
+    row = uci.wide_markdown(summary, ["dvi", "ddvi", "mcvi", "gi"]).splitlines()[-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # -0.50 >= -0.47 - 0.04: met; -0.75 < -0.68 - 0.05: missed; -0.60 beats -0.68.
+    assert cells == ["yacht", "**-0.50 ± 0.04** (-0.47)", "", "-0.75 ± 0.05 (-0.68)", "**-0.60 ± 0.01** (-0.68) [2 splits]"]

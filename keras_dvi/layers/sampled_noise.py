@@ -3,11 +3,11 @@
 import keras
 from keras import ops
 
-from keras_dvi import priors
+from keras_dvi.layers.homoscedastic_noise import LearnedLogVariance
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SampledHomoscedasticNoise(keras.layers.Layer):
+class SampledHomoscedasticNoise(LearnedLogVariance):
     """Appends a learned (or fixed) log noise variance per target to output samples.
 
     The sampled counterpart of `HomoscedasticNoise`, for `GlobalInducingDense` networks: the
@@ -34,29 +34,13 @@ class SampledHomoscedasticNoise(keras.layers.Layer):
     ...                           SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0)])
     """
 
-    def __init__(self, initial_log_variance=0.0, log_variance_scale=1.0, trainable=True, **kwargs):
-        kwargs.setdefault("autocast", False)
-        super().__init__(trainable=trainable, **kwargs)
-        self.initial_log_variance = float(initial_log_variance)
-        self.log_variance_scale = priors._check_positive("log_variance_scale", log_variance_scale)
-
     def build(self, input_shape):
         if len(input_shape) != 3 or input_shape[-1] is None:
             raise ValueError(
                 "SampledHomoscedasticNoise expects samples of shape (batch, samples, D) from a "
                 f"GlobalInducingDense output layer; received shape {input_shape}."
             )
-        self.scaled_log_variance = self.add_weight(
-            name="scaled_log_variance",
-            shape=(input_shape[-1],),
-            initializer=keras.initializers.Constant(self.initial_log_variance / self.log_variance_scale),
-            autocast=False,
-        )
-
-    @property
-    def log_variance(self):
-        """The log noise variances, `(D,)`."""
-        return self.log_variance_scale * ops.convert_to_tensor(self.scaled_log_variance)
+        self._add_log_variance(input_shape[-1])
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (2 * input_shape[-1],)
@@ -64,9 +48,3 @@ class SampledHomoscedasticNoise(keras.layers.Layer):
     def call(self, inputs):
         log_var = ops.cast(self.log_variance, inputs.dtype) + ops.zeros_like(inputs)
         return ops.concatenate([inputs, log_var], axis=-1)
-
-    def get_config(self):
-        config = super().get_config()
-        config["initial_log_variance"] = self.initial_log_variance
-        config["log_variance_scale"] = self.log_variance_scale
-        return config
