@@ -20,6 +20,7 @@ both ways). Reported, as the largest over inputs and both output units:
 import argparse
 import itertools
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -99,7 +100,7 @@ def main(argv=None):
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"`python benchmarks/approximation.py --out {args.out}`\n\n{text}\n")
+            f.write(f"`python benchmarks/approximation.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,16 @@
 2. Training-step time (one `fit` epoch, as users train) of whole in-w-w-2 ReLU networks: DVI,
    dDVI (diagonal throughout), MCVI (S = 10) against a plain `keras.layers.Dense` network of
    the same shape, at a small, overhead-bound size (1-128-128-2, batch 50) and a larger,
-   compute-bound one (512-512-512-2, batch 256).
+   compute-bound one (256-256-256-2, batch 256).
 
 Memory: the size of the largest per-step tensor (covariance `B d^2`, sampled kernels
 `S d^2`) in MB, float32, and the process's peak resident memory at the end.
 """
 
 import argparse
+import json
 import os
+import sys
 import resource
 import time
 
@@ -109,14 +111,26 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--networks", type=lambda v: tuple(int(t) for t in v.split(",")), nargs="+",
-                        default=[(128, 50, 1), (512, 256, 512)], help="width,batch,inputs of whole networks")
-    parser.add_argument("--steps", type=int, default=200, help="timed training steps per network")
+                        default=[(128, 50, 1), (256, 256, 256)], help="width,batch,inputs of whole networks")
+    parser.add_argument("--steps", type=int, default=100, help="timed training steps per network")
+    parser.add_argument("--cache", default=None, help="JSON file keeping the layer rows between runs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    cached = {}
+    if args.cache and os.path.exists(args.cache):
+        with open(args.cache) as f:
+            cached = {row["d"]: row for row in json.load(f)}
     rows = []
     for d in args.dims:
-        rows.append(layer_times(d, args.batch, args.samples, args.repeats))
+        row = cached.get(d)
+        if row is None or any(c not in row for c in ["dense", "dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]):
+            row = layer_times(d, args.batch, args.samples, args.repeats)
+        rows.append(row)
         print(rows[-1], flush=True)
+        if args.cache:  # layer rows are kept, so a rerun only measures what is missing
+            cached[d] = row
+            with open(args.cache, "w") as f:
+                json.dump(sorted(cached.values(), key=lambda r: r["d"]), f, indent=1)
     nets = {(w, b, i): network_times(w, b, i, args.steps) for w, b, i in args.networks}
     cols = ["dense", "dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]
     lines = [
@@ -156,7 +170,7 @@ def main(argv=None):
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"`python benchmarks/runtime.py --out {args.out}`\n\n{text}\n")
+            f.write(f"`python benchmarks/runtime.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
 
 
 if __name__ == "__main__":
