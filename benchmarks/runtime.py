@@ -20,8 +20,8 @@ Memory: the size of the largest per-step tensor (covariance `B d^2`, sampled ker
 import argparse
 import json
 import os
-import sys
 import resource
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -63,7 +63,7 @@ def layer_times(d, batch, samples, repeats):
     a = rng.standard_normal((batch, d, d)).astype("float32") / d
     cov = np.einsum("bij,bkj->bik", a, a) + 0.1 * np.eye(d, dtype="float32")
     var = np.ascontiguousarray(np.diagonal(cov, axis1=1, axis2=2))
-    row = {"d": d}
+    row = {"d": d, "batch": batch, "repeats": repeats}
     row["dense"] = _median_time(_step(keras.layers.Dense(d, "relu"), mean), repeats)
     row["dvi"] = _median_time(_step(kd.DenseDVI(d, "relu"), pack(mean, cov)), repeats)
     row["ddvi"] = _median_time(_step(kd.DenseDiagDVI(d, "relu"), pack(mean, var)), repeats)
@@ -123,7 +123,8 @@ def main(argv=None):
     rows = []
     for d in args.dims:
         row = cached.get(d)
-        if row is None or any(c not in row for c in ["dense", "dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]):
+        wanted = ["dense", "dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]
+        if row is None or row.get("batch", 10) != args.batch or any(c not in row for c in wanted):
             row = layer_times(d, args.batch, args.samples, args.repeats)
         rows.append(row)
         print(rows[-1], flush=True)

@@ -17,8 +17,9 @@ set, tuned on no data set's test split:
   layers throughout, so the head's mean/log-variance covariance is dropped as well (with one
   hidden layer that is the only difference: hidden units after a deterministic input are
   uncorrelated); `mcvi`: `DenseMCVI` with 10 weight samples per step (`--mcvi-samples`),
-  evaluated with 100; `hodvi`: DVI with a learned homoscedastic noise (`HomoscedasticNoise`, starting at log-variance -3 with the Appendix H scale of 10, as
-  for `gi`: unscaled, Adam at 1e-3 cannot reach yacht's log-variance of about -6 in time).
+  evaluated with 100; `hodvi`: DVI with a learned homoscedastic noise (`HomoscedasticNoise`
+  starting at log-variance -3 with the Appendix H scale of 10, as for `gi`: unscaled, Adam at
+  1e-3 cannot reach yacht's log-variance of about -6 in time).
 * `gi`: 2 x 50 ReLU `GlobalInducingDense`, 100 inducing points from the training data,
   per-unit precisions, NealPrior, learned homoscedastic noise (start -3, App. H scale 10),
   10 samples per step, full batches (at most 10,000 rows), Adam 1e-2 for `--gi-steps` (1,000)
@@ -171,8 +172,9 @@ def run_one(folder, method, split, args):
         # All `steps` minibatches as ONE epoch of pre-shuffled rows (a fresh permutation per
         # pass through the data): Keras' per-epoch overhead (~30 ms) would otherwise dominate
         # small data sets, where an epoch is only a few steps.
-        x, y = epoch_stream(data["x"], data["y"], args.steps, min(n, 32), args.seed + split)
-        model.fit(x, y, batch_size=min(n, 32), epochs=1, shuffle=False, verbose=0)
+        batch = min(n, 32)
+        x, y = epoch_stream(data["x"], data["y"], args.steps, batch, args.seed + split)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     seconds = time.time() - start
     sampled = method in ("gi", "mcvi")
     if sampled:

@@ -398,7 +398,7 @@ def test_homoscedastic_noise_layer_shapes_and_config():
     assert clone.initial_log_variance == -2.0
 
 
-def test_homoscedastic_noise_scale_speeds_up_the_log_variance_by_scale_squared():
+def test_homoscedastic_noise_scale_multiplies_the_log_variance_gradient():
     """With `log_variance_scale = s` the variable holds `l / s`: the output still starts at
     `initial_log_variance`, and the gradient with respect to the variable is `s dL/dl`, with
     `dL/dl = mean(1 - (y - m)^2 exp(-l)) / 2` for the Gaussian negative log-likelihood."""
