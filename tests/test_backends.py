@@ -2,7 +2,8 @@
 
 Runs a cross-section of the suite again in a subprocess with `KERAS_BACKEND=jax`: every
 layer end to end, save/load, float64, gradients at the numerical edges, the losses, and the
-core global inducing and MCVI tests (run in full on JAX during development: all pass) (and `JAX_ENABLE_X64=1` for the float64 cases). Tests marked
+core global inducing and MCVI tests, with `JAX_ENABLE_X64=1` for the float64 cases (the full
+global inducing and MCVI files passed on JAX during development). Tests marked
 `tensorflow_only` (the `nll` / `kl` log entries, `KLWarmup`, graph-mode validation, XLA
 through `jit_compile`) are skipped there; `heavy` ones (long trainings) are left out.
 """
