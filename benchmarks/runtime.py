@@ -75,9 +75,10 @@ def layer_times(d, batch, samples, repeats):
     return row
 
 
-def network_times(width, batch, in_dim, steps):
+def network_times(width, batch, in_dim, steps, kinds=None, jit=False):
     """Seconds per training step of in-width-width-2 ReLU networks, timed over one `fit`
-    epoch of `steps` batches (after a warm-up epoch), as users train."""
+    epoch of `steps` batches (after a warm-up epoch), as users train. `kinds` restricts the
+    networks by name; `jit` adds XLA-compiled (`jit_compile=True`) plain Dense and dDVI."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch * steps, in_dim)).astype("float32")
     y = rng.standard_normal((batch * steps, 1)).astype("float32")
@@ -93,14 +94,18 @@ def network_times(width, batch, in_dim, steps):
                                kd.DenseMCVI(width, "relu", regularizer=prior), kd.DenseMCVI(2, regularizer=prior)],
                       kd.SampledGaussianELL()),
     }
+    runs = [(name, name, False) for name in shapes if kinds is None or name in kinds]
+    if jit:
+        runs += [(f"{name}, XLA", name, True) for name in ("plain Dense", "dDVI")]
     times = {}
-    for name, (layers, loss) in shapes.items():
+    for label, name, xla in runs:
+        layers, loss = shapes[name]
         model = keras.Sequential([keras.Input((in_dim,))] + layers())
-        model.compile(keras.optimizers.Adam(1e-3), loss=loss)
+        model.compile(keras.optimizers.Adam(1e-3), loss=loss, jit_compile=xla)
         model.fit(x[: batch * 5], y[: batch * 5], batch_size=batch, epochs=1, verbose=0)
         start = time.perf_counter()
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-        times[name] = (time.perf_counter() - start) / steps
+        times[label] = (time.perf_counter() - start) / steps
     return times
 
 
@@ -113,6 +118,9 @@ def main(argv=None):
     parser.add_argument("--networks", type=lambda v: tuple(int(t) for t in v.split(",")), nargs="+",
                         default=[(128, 50, 1), (256, 256, 256)], help="width,batch,inputs of whole networks")
     parser.add_argument("--steps", type=int, default=100, help="timed training steps per network")
+    parser.add_argument("--network-kinds", nargs="+", default=None,
+                        choices=["plain Dense", "DVI", "dDVI", "MCVI S=10"], help="default: all")
+    parser.add_argument("--jit", action="store_true", help="also time plain Dense and dDVI under XLA")
     parser.add_argument("--cache", default=None, help="JSON file keeping the layer rows between runs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -132,7 +140,7 @@ def main(argv=None):
             cached[d] = row
             with open(args.cache, "w") as f:
                 json.dump(sorted(cached.values(), key=lambda r: r["d"]), f, indent=1)
-    nets = {(w, b, i): network_times(w, b, i, args.steps) for w, b, i in args.networks}
+    nets = {(w, b, i): network_times(w, b, i, args.steps, args.network_kinds, args.jit) for w, b, i in args.networks}
     cols = ["dense", "dvi", "ddvi"] + [f"mcvi{s}" for s in args.samples]
     lines = [
         f"One `d x d` ReLU layer, batch {args.batch}, forward + backward, median ms "
@@ -160,7 +168,7 @@ def main(argv=None):
             slope = np.polyfit(np.log(dims[ok]), np.log(t[ok]), 1)[0]
             lines.append(f"- {c}: d^{slope:.2f}")
     for (width, batch, in_dim), net in nets.items():
-        base = net["plain Dense"]
+        base = net.get("plain Dense", float("nan"))
         lines += ["", f"Training step of {in_dim}-{width}-{width}-2 ReLU networks, batch {batch} (one `fit` epoch of "
                   f"{args.steps} steps), ms:", "", "| network | ms / step | ratio to plain Dense |", "|---|---|---|"]
         for name, t in net.items():
