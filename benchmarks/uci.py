@@ -29,7 +29,8 @@ set, tuned on no data set's test split:
 
 Results are cached per data set, method and split (`--results`, JSON files), so an
 interrupted run resumes where it stopped; `--jobs 2` runs two splits at a time (one process
-per job, one thread each). Writes `summary.md` and `summary.json` next to the cache;
+per job, one thread each). Writes `summary.md` and `summary.json` next to the cache
+(`summary_gi_per_unit.*` for a `--gi-precision per_unit` run);
 `--summary-only` just summarises what is cached.
 """
 
@@ -322,9 +323,11 @@ def main(argv=None):
         "published figure minus one standard error):\n\n" + wide_markdown(summary, args.methods)
     print(table)
     os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, "summary.md"), "w") as f:
+    # A per-unit run is labelled "gi" like the default one: keep its summary apart too.
+    name = "summary_gi_per_unit" if args.gi_precision == "per_unit" and "gi" in args.methods else "summary"
+    with open(os.path.join(args.results, name + ".md"), "w") as f:
         f.write(table + "\n")
-    with open(os.path.join(args.results, "summary.json"), "w") as f:
+    with open(os.path.join(args.results, name + ".json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
 

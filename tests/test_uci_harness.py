@@ -78,12 +78,18 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     assert calls == [("gi", 0)]  # only the missing split is recomputed
     assert [s["test_ll"] for s in again if s["method"] == "dvi"] == [s["test_ll"] for s in summary if s["method"] == "dvi"]
     assert os.path.exists(os.path.join(results, "summary.md"))
-    # Per-unit precisions are cached apart: nothing of the shared run is reused.
+    # Per-unit precisions are cached and summarised apart: nothing of the shared run is
+    # reused or overwritten.
+    with open(os.path.join(results, "summary.md")) as f:
+        shared_summary = f.read()
     calls.clear()
     uci.main(args[:3] + ["gi", "--splits", "0"] + args[9:] + ["--gi-precision", "per_unit"])
     assert calls == [("gi", 0)]
     with open(os.path.join(results, os.path.basename(folder), "gi_per_unit", "split_0.json")) as f:
         assert json.load(f)["precision"] == "per_unit"
+    with open(os.path.join(results, "summary.md")) as f:
+        assert f.read() == shared_summary
+    assert os.path.exists(os.path.join(results, "summary_gi_per_unit.md"))
 
 
 def test_epoch_stream_is_consecutive_fresh_permutations_with_aligned_targets():
