@@ -78,7 +78,8 @@ def layer_times(d, batch, samples, repeats):
 def network_times(width, batch, in_dim, steps, kinds=None, jit=False):
     """Seconds per training step of in-width-width-2 ReLU networks, timed over one `fit`
     epoch of `steps` batches (after a warm-up epoch), as users train. `kinds` restricts the
-    networks by name; `jit` adds XLA-compiled (`jit_compile=True`) plain Dense and dDVI."""
+    networks by name; `jit` adds XLA-compiled (`jit_compile=True`) runs of the plain Dense and
+    dDVI networks among them."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch * steps, in_dim)).astype("float32")
     y = rng.standard_normal((batch * steps, 1)).astype("float32")
@@ -96,7 +97,7 @@ def network_times(width, batch, in_dim, steps, kinds=None, jit=False):
     }
     runs = [(name, name, False) for name in shapes if kinds is None or name in kinds]
     if jit:
-        runs += [(f"{name}, XLA", name, True) for name in ("plain Dense", "dDVI")]
+        runs += [(f"{name}, XLA", name, True) for name in ("plain Dense", "dDVI") if kinds is None or name in kinds]
     times = {}
     for label, name, xla in runs:
         layers, loss = shapes[name]
