@@ -21,6 +21,11 @@ class KLWarmup(keras.callbacks.Callback):
     The weight multiplies every layer's `KL / N` in the loss (the `kl` log entry shows the
     unweighted value).
 
+    Steps are optimizer updates counted from the first `fit` the callback takes part in (it
+    reads `optimizer.iterations`), so the schedule is the same whatever `steps_per_execution`
+    is; with `steps_per_execution = k` the weight is updated every `k` steps and held within
+    each group. Reusing the callback in a later `fit` continues the schedule.
+
     Args:
         delay_steps: optimizer steps with the KL switched off.
         warmup_steps: steps of the linear ramp from 0 to 1 after the delay (0: jump to 1).
@@ -37,7 +42,7 @@ class KLWarmup(keras.callbacks.Callback):
                 raise ValueError(f"Argument `{name}` must be a non-negative integer; received {value!r}.")
         self.delay_steps = delay_steps
         self.warmup_steps = warmup_steps
-        self._step = 0
+        self._first_iteration = None
 
     def weight(self, step):
         """The KL weight used at optimizer step `step` (0-based)."""
@@ -53,12 +58,17 @@ class KLWarmup(keras.callbacks.Callback):
                 "KLWarmup needs the TensorFlow (or torch) backend: under JAX the KL weight "
                 "cannot be changed inside a compiled training step (keras-dvi keeps it at 1)."
             )
+        if self._first_iteration is None:
+            self._first_iteration = self._iterations()
+
+    def _iterations(self):
+        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
     def on_train_batch_begin(self, batch, logs=None):
-        weight = self.weight(self._step)
+        # Keras calls this once per `steps_per_execution` group of steps: count real updates.
+        weight = self.weight(self._iterations() - self._first_iteration)
         for tracker in elbo_trackers(self.model):
             tracker.kl_weight.assign(weight)
-        self._step += 1
 
     def on_train_end(self, logs=None):
         for tracker in elbo_trackers(self.model):

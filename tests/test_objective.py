@@ -265,6 +265,31 @@ def test_kl_warmup_switches_the_kl_off_then_on():
         KLWarmup(delay_steps=-1)
 
 
+@pytest.mark.tensorflow_only  # KLWarmup needs a backend that can change the weight between steps
+def test_kl_warmup_counts_optimizer_steps_with_steps_per_execution():
+    # Keras calls batch callbacks once per `steps_per_execution` group: the schedule must
+    # still follow optimizer updates (it once counted callback calls, a ramp 4x too slow here).
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(64, 2)).astype("float32")
+    y = rng.normal(size=(64,)).astype("float32")
+    model = _toy_model(EmpiricalBayesRegularizer(num_train=64))
+    model.compile(keras.optimizers.SGD(0.0), loss=HeteroscedasticELL(), steps_per_execution=4)
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            tracker = self.model.layers[0].elbo_tracker
+            seen.append((int(to_numpy(self.model.optimizer.iterations)), float(to_numpy(tracker.kl_weight))))
+
+    warmup = KLWarmup(delay_steps=4, warmup_steps=8)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[warmup, Spy()])
+    # 16 updates in groups of 4: the weight at updates 0, 4, 8, 12 is 0, 1/8, 5/8, 1.
+    assert seen == [(0, 0.0), (4, 0.125), (8, 0.625), (12, 1.0)]
+    # A second fit with the same callback continues the schedule (still 1), then restores 1.
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[warmup, Spy()])
+    assert [w for _, w in seen[4:]] == [1.0] * 4
+
+
 @pytest.mark.tensorflow_only  # reads the nll / kl log entries
 def test_tf_data_callbacks_and_diagonal_bodies():
     rng = np.random.default_rng(10)

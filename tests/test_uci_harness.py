@@ -70,6 +70,10 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     with open(cached) as f:
         record = json.load(f)
     assert record["split"] == 1 and record["num_train"] == 25
+    assert record["kl_warmup"] == 1  # default: a KL ramp over half of the 3 steps
+    # A cache made with another KL warm-up is refused, not mixed in.
+    with pytest.raises(SystemExit, match="--kl-warmup 1"):
+        uci.main(args + ["--kl-warmup", "0"])
     os.remove(os.path.join(results, os.path.basename(folder), "gi", "split_0.json"))
     calls = []
     real = uci.run_one
