@@ -16,10 +16,10 @@ set, tuned on no data set's test split:
   has the history). KL warm-up (`keras_dvi.KLWarmup`, as in the authors' code): the KL weight
   rises linearly from 0 to 1 over the first `--kl-warmup` updates (default: half the run,
   3,000), then the full ELBO is trained for the rest; `--kl-warmup 0` turns it off (the
-  recipe of `benchmarks/results/uci_no_warmup`). `dvi`: `DenseDVI` layers, heteroscedastic head; `ddvi`: `DenseDiagDVI`
-  layers throughout, so the head's mean/log-variance covariance is dropped as well (with one
-  hidden layer that is the only difference: hidden units after a deterministic input are
-  uncorrelated); `mcvi`: `DenseMCVI` with 10 weight samples per step (`--mcvi-samples`),
+  recipe of `benchmarks/results/uci_no_warmup`). `dvi`: `DenseDVI` layers, heteroscedastic
+  head; `ddvi`: `DenseDiagDVI` layers throughout, so the head's mean/log-variance
+  covariance is dropped as well (with one hidden layer that is the only difference: hidden
+  units after a deterministic input are uncorrelated); `mcvi`: `DenseMCVI` with 10 weight samples per step (`--mcvi-samples`),
   evaluated with 100; `hodvi`: DVI with a learned homoscedastic noise (`HomoscedasticNoise`
   starting at log-variance -3 with the Appendix H scale of 10, as for `gi`: unscaled, Adam at
   1e-3 cannot reach yacht's log-variance of about -6 in time).
@@ -181,7 +181,7 @@ def run_one(folder, method, split, args):
     # through the data): Keras' per-epoch overhead (~30 ms) would otherwise dominate small
     # data sets, where an epoch is only a few steps (one, for full batches).
     x, y = epoch_stream(data["x"], data["y"], steps, batch, args.seed + split)
-    warmup = 0 if method == "gi" else kl_warmup_steps(args)
+    warmup = kl_warmup_steps(method, args)
     callbacks = [kd.KLWarmup(warmup_steps=warmup)] if warmup else []
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     seconds = time.time() - start
@@ -195,21 +195,20 @@ def run_one(folder, method, split, args):
               "test_ll": ll, "test_rmse": rmse, "seconds": seconds, "num_train": n}
     if method == "gi":
         record["precision"] = args.gi_precision
-    else:
-        record["kl_warmup"] = warmup
+    record["kl_warmup"] = warmup
     return record
 
 
-def kl_warmup_steps(args):
-    """Length of the KL ramp of the factorised methods: `--kl-warmup`, default half the run."""
+def kl_warmup_steps(method, args):
+    """Length of the KL ramp: `--kl-warmup`, default half the run; none for `gi`."""
+    if method == "gi":
+        return 0
     return args.steps // 2 if args.kl_warmup is None else args.kl_warmup
 
 
 def _check_recipe(record, path, args):
-    """A cached factorised result must come from the same KL warm-up (older ones had none)."""
-    if record["method"] == "gi":
-        return
-    cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(args)
+    """A cached result must come from the same KL warm-up (older records had none)."""
+    cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(record["method"], args)
     if cached != wanted:
         raise SystemExit(
             f"{path} was computed with --kl-warmup {cached}, but this run uses {wanted}: pass "

@@ -60,6 +60,7 @@ class KLWarmup(keras.callbacks.Callback):
             )
         if self._first_iteration is None:
             self._first_iteration = self._iterations()
+        self._trackers = elbo_trackers(self.model)  # once per fit, not per batch
 
     def _iterations(self):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
@@ -67,9 +68,9 @@ class KLWarmup(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         # Keras calls this once per `steps_per_execution` group of steps: count real updates.
         weight = self.weight(self._iterations() - self._first_iteration)
-        for tracker in elbo_trackers(self.model):
+        for tracker in self._trackers:
             tracker.kl_weight.assign(weight)
 
     def on_train_end(self, logs=None):
-        for tracker in elbo_trackers(self.model):
+        for tracker in self._trackers:
             tracker.kl_weight.assign(1.0)
