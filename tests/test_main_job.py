@@ -1,11 +1,14 @@
 """The bundled data set and the README's main job."""
 
+import re
 import struct
 import subprocess
 import sys
 import zlib
 
 import numpy as np
+import pytest
+from scipy import stats
 
 from keras_dvi import datasets
 
@@ -38,16 +41,26 @@ def _read_png(path):
     return raw[:, 1:].reshape(height, width, 3)
 
 
-def test_main_job_runs_prints_results_and_writes_a_plot(tmp_path):
+@pytest.mark.heavy
+def test_main_job_prints_results_writes_a_plot_and_beats_a_constant_gaussian(tmp_path):
+    """The README's main job exactly as a user runs it (default budget, about 2 minutes)."""
+    (_, y_train), (_, y_test) = datasets.load_toy_regression()
+    baseline = stats.norm.logpdf(y_test, y_train.mean(), y_train.std()).mean()
+    assert -0.5 < baseline < -0.4  # measured: -0.45
     plot = tmp_path / "toy.png"
     out = subprocess.run(
-        [sys.executable, "-m", "keras_dvi", "--epochs", "2", "--plot", str(plot)],
+        [sys.executable, "-m", "keras_dvi", "--plot", str(plot)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
         check=True,
     ).stdout
-    assert "train: log-likelihood" in out and "test:  log-likelihood" in out and "RMSE" in out
+    assert "trained 100 epochs" in out and "train: log-likelihood" in out
+    match = re.search(r"test:  log-likelihood\s+(\S+)\s+RMSE (\S+)", out)
+    assert match, out[-2000:]
+    test_ll, test_rmse = float(match.group(1)), float(match.group(2))
+    assert test_ll > 0.8  # measured: 1.06 (baseline -0.45)
+    assert test_rmse < 0.18  # measured: 0.170 (constant prediction: 0.37)
     image = _read_png(plot)
     assert image.shape == (480, 720, 3)
     colours = {tuple(c) for c in image.reshape(-1, 3)[::7]}
