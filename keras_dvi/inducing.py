@@ -48,6 +48,27 @@ def precision_matrix(phi, precision, prior_precision):
     return eye + ops.matmul(_transpose(weighted), phi[:, None])
 
 
+def _factor_and_half_mean(phi, precision, pseudo_outputs, prior_precision):
+    """`L` (`A = L L^T`) and `L^{-1} Phi^T diag(lambda) V`, so that `M_w = L^{-T}` of it.
+
+    The second is `(S, P, U)` for shared precisions and `(S, U, P, 1)` per unit (one system
+    per output unit)."""
+    chol = ops.cholesky(precision_matrix(phi, precision, prior_precision))
+    if len(precision.shape) == 1:
+        rhs = ops.einsum("smi,m,mu->siu", phi, precision, pseudo_outputs)
+    else:
+        rhs = ops.einsum("smi,mu->sui", phi, precision * pseudo_outputs)[..., None]
+    return chol, ops.solve_triangular(chol, rhs, lower=True)
+
+
+def _solve_upper(chol, half):
+    """`L^{-T} half`, back in `(S, P, U)` layout."""
+    solved = ops.solve_triangular(_transpose(chol), half, lower=False)
+    if len(chol.shape) == 3:
+        return solved
+    return ops.transpose(solved[..., 0], (0, 2, 1))
+
+
 def weight_posterior(phi, precision, pseudo_outputs, prior_precision):
     """Cholesky factor of `A` and the posterior mean `M_w` (eq. 11).
 
@@ -61,17 +82,8 @@ def weight_posterior(phi, precision, pseudo_outputs, prior_precision):
         `(chol, mean)`: `chol` lower triangular `(S, P, P)` (shared) or `(S, U, P, P)` (per
         unit); `mean` `(S, P, U)`.
     """
-    a = precision_matrix(phi, precision, prior_precision)
-    chol = ops.cholesky(a)
-    if len(precision.shape) == 1:
-        rhs = ops.einsum("smi,m,mu->siu", phi, precision, pseudo_outputs)
-        half = ops.solve_triangular(chol, rhs, lower=True)
-        mean = ops.solve_triangular(_transpose(chol), half, lower=False)
-        return chol, mean
-    rhs = ops.einsum("smi,mu->sui", phi, precision * pseudo_outputs)[..., None]
-    half = ops.solve_triangular(chol, rhs, lower=True)
-    mean = ops.solve_triangular(_transpose(chol), half, lower=False)[..., 0]
-    return chol, ops.transpose(mean, (0, 2, 1))
+    chol, half = _factor_and_half_mean(phi, precision, pseudo_outputs, prior_precision)
+    return chol, _solve_upper(chol, half)
 
 
 def sample_weights(chol, mean, noise):
@@ -82,11 +94,36 @@ def sample_weights(chol, mean, noise):
         mean: `(S, P, U)` posterior mean.
         noise: `(S, P, U)` standard normal draws `eps`.
     """
+    return mean + _solve_upper(chol, _noise_layout(chol, noise))
+
+
+def posterior_sample(phi, precision, pseudo_outputs, prior_precision, noise):
+    """Cholesky factor of `A` and one weight draw per sample, without forming `M_w`.
+
+    `W = M_w + L^{-T} eps = L^{-T} (L^{-1} Phi^T diag(lambda) V + eps)`: two triangular solves
+    instead of the three of `weight_posterior` followed by `sample_weights` (eq. 11). Used by
+    `GlobalInducingDense`, which needs only `L` and `W` (its KL is the Monte Carlo estimate
+    `log_posterior_density - log_prior_density`).
+
+    Args:
+        phi: `(S, M, P)` features of the inducing points (bias column included).
+        precision: `(M,)` or `(M, U)` positive precisions `lambda`.
+        pseudo_outputs: `(M, U)` pseudo-outputs `V`.
+        prior_precision: scalar `p`.
+        noise: `(S, P, U)` standard normal draws `eps`.
+
+    Returns:
+        `(chol, weights)`: `chol` as in `weight_posterior`; `weights` `(S, P, U)`.
+    """
+    chol, half = _factor_and_half_mean(phi, precision, pseudo_outputs, prior_precision)
+    return chol, _solve_upper(chol, half + _noise_layout(chol, noise))
+
+
+def _noise_layout(chol, noise):
+    """`(S, P, U)` draws in the layout of `_factor_and_half_mean`'s second output."""
     if len(chol.shape) == 3:
-        return mean + ops.solve_triangular(_transpose(chol), noise, lower=False)
-    eps = ops.transpose(noise, (0, 2, 1))[..., None]  # (S, U, P, 1)
-    offset = ops.solve_triangular(_transpose(chol), eps, lower=False)[..., 0]
-    return mean + ops.transpose(offset, (0, 2, 1))
+        return noise
+    return ops.transpose(noise, (0, 2, 1))[..., None]
 
 
 def log_posterior_density(chol, noise):

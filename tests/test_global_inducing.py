@@ -84,6 +84,26 @@ def test_sampled_weights_match_posterior_mean_and_covariance(per_unit):
 
 
 @pytest.mark.parametrize("per_unit", [False, True])
+def test_one_step_draws_equal_mean_plus_inverse_transposed_factor_times_noise(per_unit):
+    """`posterior_sample` (two triangular solves, no `M_w`) against dense NumPy:
+    `W_u = M_w,u + L_u^{-T} eps_u` with `L_u` the Cholesky factor of `Sigma_u^{-1}`."""
+    phi, precision, pseudo = _problem(3, per_unit=per_unit)
+    covs, means = _numpy_posterior(phi, precision, pseudo, 1.5)
+    phi_t = ops.convert_to_tensor(np.broadcast_to(phi, (4,) + phi.shape))
+    noise = np.random.default_rng(8).standard_normal((4, phi.shape[1], pseudo.shape[1]))
+    chol, w = inducing.posterior_sample(
+        phi_t, ops.convert_to_tensor(precision), ops.convert_to_tensor(pseudo), 1.5, ops.convert_to_tensor(noise)
+    )
+    w, chol = ops.convert_to_numpy(w), ops.convert_to_numpy(chol)
+    assert w.shape == noise.shape
+    for u in range(pseudo.shape[1]):
+        factor = np.linalg.cholesky(np.linalg.inv(covs[u]))
+        np.testing.assert_allclose(chol[:, u] if per_unit else chol, np.broadcast_to(factor, (4,) + factor.shape), rtol=1e-9, atol=1e-11)
+        expected = means[:, u][None] + np.linalg.solve(factor.T, noise[:, :, u].T).T
+        np.testing.assert_allclose(w[:, :, u], expected, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("per_unit", [False, True])
 def test_log_densities_match_scipy(per_unit):
     phi, precision, pseudo = _problem(4, per_unit=per_unit)
     covs, means = _numpy_posterior(phi, precision, pseudo, 2.5)

@@ -236,14 +236,25 @@ class GlobalInducingDense(ELBOReportingLayer):
     def prior_precision(self):
         return self.prior.prior_precision(self.fan_in)
 
-    def weight_posterior(self, inducing_features):
-        """`(chol, mean)` of the weight posterior given the inducing features `phi(U)`,
-        `(samples, M, fan_in)` (bias column added here); see `keras_dvi.inducing`."""
+    def _posterior_arguments(self, inducing_features):
+        """`(phi, lambda, V)` in the moment dtype, `phi` with its bias column."""
         dtype = self.moment_dtype
         phi = inducing.append_ones(ops.cast(inducing_features, dtype))
         precision = ops.exp(ops.cast(self.log_precision, dtype))
+        return phi, precision, ops.cast(self.pseudo_outputs, dtype)
+
+    def weight_posterior(self, inducing_features):
+        """`(chol, mean)` of the weight posterior given the inducing features `phi(U)`,
+        `(samples, M, fan_in)` (bias column added here); see `keras_dvi.inducing`."""
         return inducing.weight_posterior(
-            phi, precision, ops.cast(self.pseudo_outputs, dtype), self.prior_precision
+            *self._posterior_arguments(inducing_features), self.prior_precision
+        )
+
+    def sample_posterior(self, inducing_features, noise):
+        """`(chol, weights)`: the factor of `A` and the weight draws `M_w + L^{-T} noise`,
+        `noise` `(samples, fan_in + 1, units)` (`keras_dvi.inducing.posterior_sample`)."""
+        return inducing.posterior_sample(
+            *self._posterior_arguments(inducing_features), self.prior_precision, noise
         )
 
     def call(self, inputs):
@@ -258,11 +269,10 @@ class GlobalInducingDense(ELBOReportingLayer):
         else:
             h = ops.transpose(inputs, (1, 0, 2))  # (samples, M + batch, features)
             samples = inputs.shape[1]
-        chol, mean = self.weight_posterior(h[:, :m])
         noise = keras.random.normal(
             (samples, self.fan_in + 1, self.units), dtype=dtype, seed=self.seed_generator
         )
-        weights = inducing.sample_weights(chol, mean, noise)
+        chol, weights = self.sample_posterior(h[:, :m], noise)
         log_ratio = inducing.log_posterior_density(chol, noise) - inducing.log_prior_density(
             weights, self.prior_precision
         )
