@@ -55,9 +55,10 @@ def main(argv=None):
             sd = np.sqrt(np.asarray(predictive.regression_moments(y_pred)["variance"])[:, 0]) * data["y_std"]
             print(f"  {part:5s} LL {ll.mean():7.3f}; worst three {np.round(np.sort(ll)[:3], 2)}; "
                   f"predictive sd p1 / p50 / p99 {np.round(np.percentile(sd, [1, 50, 99]), 3)}")
+            if part == "train":
+                train_sd = sd
         # Are the most confident training points repeated inputs (same features, other rows)?
-        sd = np.sqrt(np.asarray(predictive.regression_moments(model.predict(data["x"], verbose=0))["variance"])[:, 0])
-        confident = np.argsort(sd)[: max(1, n // 100)]
+        confident = np.argsort(train_sd)[: max(1, n // 100)]
         _, group, counts = np.unique(data["x"], axis=0, return_inverse=True, return_counts=True)
         repeated = counts[group.reshape(-1)[confident]] > 1
         print(f"  the {len(confident)} most confident training points: {repeated.sum()} have a "
