@@ -52,6 +52,9 @@ import numpy as np  # noqa: E402
 
 METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi")
 
+#: Minibatch size of the factorised methods (`dvi`, `ddvi`, `mcvi`, `hodvi`).
+BATCH = 32
+
 #: Published test log-likelihoods: Wu et al. 2019 Table 2 (DVI, dDVI, MCVI, hoDVI) and
 #: Ober & Aitchison 2021 Appendix P (2 x 50 global inducing, best prior).
 PUBLISHED = {
@@ -176,7 +179,7 @@ def run_one(folder, method, split, args):
         kd.initialize_from_data(model, data["x"], data["y"], seed=split)
         steps, batch = args.gi_steps, min(n, args.gi_batch)
     else:
-        steps, batch = args.steps, min(n, 32)
+        steps, batch = args.steps, min(n, BATCH)
     # All `steps` minibatches as ONE epoch of pre-shuffled rows (a fresh permutation per pass
     # through the data): Keras' per-epoch overhead (~30 ms) would otherwise dominate small
     # data sets, where an epoch is only a few steps (one, for full batches).
@@ -292,7 +295,8 @@ def markdown(summary):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def make_parser():
+    """The command line, whose defaults are the recipe (also used by `uci_overconfidence.py`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", nargs="+", required=True, help="folders in the UCI layout")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -317,7 +321,11 @@ def main(argv=None):
     parser.add_argument("--max-rows", type=int, default=None, help="subsample training rows (tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary-only", action="store_true", help="summarise the cache, run nothing")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
 
     tasks, records = [], []
     for folder in args.data:

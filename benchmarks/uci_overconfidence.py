@@ -38,13 +38,14 @@ def main(argv=None):
     n = len(data["x"])
     name = os.path.basename(os.path.normpath(args.data))
     for steps in args.steps:
-        recipe = argparse.Namespace(hidden=[50], steps=steps, lr=1e-2, cosine=True,
-                                    steps_per_execution=20, mcvi_samples=10)
+        # The `dvi` recipe is uci.py's defaults, with this budget.
+        recipe = uci.make_parser().parse_args(["--data", args.data, "--steps", str(steps)])
         keras.utils.set_random_seed(args.seed + args.split)
         model = uci.build("dvi", data["x"].shape[1], n, recipe)
-        x, y = uci.epoch_stream(data["x"], data["y"], steps, min(n, 32), args.seed + args.split)
-        model.fit(x, y, batch_size=min(n, 32), epochs=1, shuffle=False, verbose=0,
-                  callbacks=[kd.KLWarmup(warmup_steps=steps // 2)])
+        batch = min(n, uci.BATCH)
+        x, y = uci.epoch_stream(data["x"], data["y"], steps, batch, args.seed + args.split)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[kd.KLWarmup(warmup_steps=uci.kl_warmup_steps("dvi", recipe))])
         objective = model.evaluate(data["x"], data["y"], batch_size=n, verbose=0, return_dict=True)
         print(f"{name} split {args.split}, {steps} steps: -ELBO / N {objective['loss']:.3f} "
               f"(nll {objective['nll']:.3f}, kl {objective['kl']:.3f})")
