@@ -33,13 +33,15 @@ set, tuned on no data set's test split:
 Results are cached per data set, method and split (`--results`, JSON files), so an
 interrupted run resumes where it stopped (a cached result made with another `--kl-warmup` is
 an error, not reused); `--jobs 2` runs two splits at a time (one process
-per job, one thread each). Writes `summary.md` and `summary.json` next to the cache
-(`summary_gi_per_unit.*` for a `--gi-precision per_unit` run);
-`--summary-only` just summarises what is cached.
+per job, one thread each). Prints the table of the data sets, methods and splits asked for,
+and rewrites `summary.md` and `summary.json` next to the cache from every split cached there
+(`summary_gi_per_unit.*` for the `--gi-precision per_unit` results), so a run on one data
+set keeps the others in the summary; `--summary-only` just summarises what is cached.
 """
 
 import argparse
 import concurrent.futures
+import glob
 import json
 import math
 import multiprocessing
@@ -54,6 +56,9 @@ METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi")
 
 #: Minibatch size of the factorised methods (`dvi`, `ddvi`, `mcvi`, `hodvi`).
 BATCH = 32
+
+#: Summary files and the cache folders (`<results>/<data set>/<label>/`) each one covers.
+SUMMARIES = {"summary": METHODS, "summary_gi_per_unit": ("gi_per_unit",)}
 
 #: Published test log-likelihoods: Wu et al. 2019 Table 2 (DVI, dDVI, MCVI, hoDVI) and
 #: Ober & Aitchison 2021 Appendix P (2 x 50 global inducing, best prior).
@@ -355,17 +360,41 @@ def main(argv=None):
                 print(_line(record), flush=True)
                 records.append(record)
     summary = summarise(records, args.methods)
-    table = markdown(summary) + "\n\nTest log-likelihood (published figure in brackets; bold: at least the " \
-        "published figure minus one standard error):\n\n" + wide_markdown(summary, args.methods)
-    print(table)
-    os.makedirs(args.results, exist_ok=True)
-    # A per-unit run is labelled "gi" like the default one: keep its summary apart too.
-    name = "summary_gi_per_unit" if args.gi_precision == "per_unit" and "gi" in args.methods else "summary"
-    with open(os.path.join(args.results, name + ".md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.results, name + ".json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    print(tables(summary, args.methods))
+    for path in write_summaries(args.results):
+        print(f"wrote {path} (every split cached in {args.results})")
     return summary
+
+
+def tables(summary, methods):
+    """The long Markdown table and the wide log-likelihood table of a summary."""
+    return markdown(summary) + "\n\nTest log-likelihood (published figure in brackets; bold: at least the " \
+        "published figure minus one standard error):\n\n" + wide_markdown(summary, methods)
+
+
+def write_summaries(results):
+    """Rewrites `summary.*` and `summary_gi_per_unit.*` in `results` from every cached split
+    there, whatever data sets and methods the command named, so that running one data set or
+    method never drops the others from a summary. Per-unit global inducing results are
+    labelled `gi` like the shared ones, so they have a summary of their own. Returns the
+    paths of the Markdown files written."""
+    written = []
+    for name, labels in SUMMARIES.items():
+        records = []
+        for label in labels:
+            for path in sorted(glob.glob(os.path.join(results, "*", label, "split_*.json"))):
+                with open(path) as f:
+                    records.append(json.load(f))
+        if not records:
+            continue
+        methods = [m for m in METHODS if any(r["method"] == m for r in records)]
+        summary = summarise(records, methods)
+        with open(os.path.join(results, name + ".md"), "w") as f:
+            f.write(tables(summary, methods) + "\n")
+        with open(os.path.join(results, name + ".json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        written.append(os.path.join(results, name + ".md"))
+    return written
 
 
 def _line(r):

@@ -94,6 +94,20 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     with open(os.path.join(results, "summary.md")) as f:
         assert f.read() == shared_summary
     assert os.path.exists(os.path.join(results, "summary_gi_per_unit.md"))
+    # A run on another data set and one method keeps everything cached in the summary.
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in os.listdir(folder):
+        if name.endswith(".txt"):
+            (other / name).write_bytes((tmp_path / name).read_bytes())
+    printed = uci.main(["--data", str(other), "--methods", "dvi"] + args[6:])
+    assert [(s["dataset"], s["method"]) for s in printed] == [("other", "dvi")]
+    with open(os.path.join(results, "summary.json")) as f:
+        rows = {(s["dataset"], s["method"]): s["splits"] for s in json.load(f)}
+    name = os.path.basename(folder)
+    assert rows == {(name, "dvi"): 2, (name, "mcvi"): 2, (name, "gi"): 2, ("other", "dvi"): 2}
+    with open(os.path.join(results, "summary_gi_per_unit.json")) as f:
+        assert [(s["dataset"], s["method"], s["splits"]) for s in json.load(f)] == [(name, "gi", 1)]
 
 
 def test_epoch_stream_is_consecutive_fresh_permutations_with_aligned_targets():
