@@ -303,7 +303,8 @@ def markdown(summary):
 def make_parser():
     """The command line, whose defaults are the recipe (also used by `uci_overconfidence.py`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", nargs="+", required=True, help="folders in the UCI layout")
+    parser.add_argument("--data", nargs="+", default=[],
+                        help="folders in the UCI layout (required unless --summary-only)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--splits", type=int, nargs="+", default=None, help="default: all")
     parser.add_argument("--results", default="benchmarks/results/uci", help="cache folder")
@@ -330,7 +331,10 @@ def make_parser():
 
 
 def main(argv=None):
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if not args.data and not args.summary_only:
+        parser.error("argument --data is required (folders in the UCI layout) unless --summary-only")
 
     tasks, records = [], []
     for folder in args.data:
@@ -360,8 +364,12 @@ def main(argv=None):
                 print(_line(record), flush=True)
                 records.append(record)
     summary = summarise(records, args.methods)
-    print(tables(summary, args.methods))
+    if args.data:
+        print(tables(summary, args.methods))
     for path in write_summaries(args.results):
+        if not args.data:  # --summary-only of the whole cache
+            with open(path) as f:
+                print(f"{path}:\n\n{f.read()}")
         print(f"wrote {path} (every split cached in {args.results})")
     return summary
 

@@ -108,6 +108,13 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     assert rows == {(name, "dvi"): 2, (name, "mcvi"): 2, (name, "gi"): 2, ("other", "dvi"): 2}
     with open(os.path.join(results, "summary_gi_per_unit.json")) as f:
         assert [(s["dataset"], s["method"], s["splits"]) for s in json.load(f)] == [(name, "gi", 1)]
+    # --summary-only needs no --data; without it, --data is required.
+    os.remove(os.path.join(results, "summary.json"))
+    assert uci.main(["--summary-only", "--results", results]) == []
+    with open(os.path.join(results, "summary.json")) as f:
+        assert len(json.load(f)) == 4
+    with pytest.raises(SystemExit):
+        uci.main(["--results", results])
 
 
 def test_epoch_stream_is_consecutive_fresh_permutations_with_aligned_targets():
