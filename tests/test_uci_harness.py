@@ -97,9 +97,9 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     # A run on another data set and one method keeps everything cached in the summary.
     other = tmp_path / "other"
     other.mkdir()
-    for name in os.listdir(folder):
-        if name.endswith(".txt"):
-            (other / name).write_bytes((tmp_path / name).read_bytes())
+    for entry in os.listdir(folder):
+        if entry.endswith(".txt"):
+            (other / entry).write_bytes((tmp_path / entry).read_bytes())
     printed = uci.main(["--data", str(other), "--methods", "dvi"] + args[6:])
     assert [(s["dataset"], s["method"]) for s in printed] == [("other", "dvi")]
     with open(os.path.join(results, "summary.json")) as f:
