@@ -39,7 +39,7 @@ def main(argv=None):
     name = os.path.basename(os.path.normpath(args.data))
     for steps in args.steps:
         # The `dvi` recipe is uci.py's defaults, with this budget.
-        recipe = uci.make_parser().parse_args(["--data", args.data, "--steps", str(steps)])
+        recipe = uci.make_parser().parse_args(["--steps", str(steps)])
         keras.utils.set_random_seed(args.seed + args.split)
         model = uci.build("dvi", data["x"].shape[1], n, recipe)
         batch = min(n, uci.BATCH)
