@@ -57,8 +57,17 @@ METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi")
 #: Minibatch size of the factorised methods (`dvi`, `ddvi`, `mcvi`, `hodvi`).
 BATCH = 32
 
-#: Summary files and the cache folders (`<results>/<data set>/<label>/`) each one covers.
-SUMMARIES = {"summary": METHODS, "summary_gi_per_unit": ("gi_per_unit",)}
+
+
+def cache_label(method, gi_precision="shared"):
+    """The cache folder (`<results>/<data set>/<label>/`) of a method's splits. Per-unit
+    global inducing results are cached apart from the shared-precision ones."""
+    return "gi_per_unit" if method == "gi" and gi_precision == "per_unit" else method
+
+
+#: Summary files and the cache folders each one covers.
+SUMMARIES = {"summary": tuple(cache_label(m) for m in METHODS),
+             "summary_gi_per_unit": (cache_label("gi", "per_unit"),)}
 
 #: Published test log-likelihoods: Wu et al. 2019 Table 2 (DVI, dDVI, MCVI, hoDVI) and
 #: Ober & Aitchison 2021 Appendix P (2 x 50 global inducing, best prior).
@@ -341,9 +350,7 @@ def main(argv=None):
         splits = args.splits if args.splits is not None else range(num_splits(folder))
         for split in splits:
             for method in args.methods:
-                # Per-unit precision results are cached apart from the default's.
-                label = "gi_per_unit" if method == "gi" and args.gi_precision == "per_unit" else method
-                path = _cache_path(args.results, folder, label, split)
+                path = _cache_path(args.results, folder, cache_label(method, args.gi_precision), split)
                 if os.path.exists(path):
                     with open(path) as f:
                         records.append(json.load(f))

@@ -6,6 +6,8 @@ core global inducing and MCVI tests, with `JAX_ENABLE_X64=1` for the float64 cas
 global inducing and MCVI files passed on JAX during development). Tests marked
 `tensorflow_only` (the `nll` / `kl` log entries, `KLWarmup`, graph-mode validation, XLA
 through `jit_compile`) are skipped there; `heavy` ones (long trainings) are left out.
+A second check trains the same network from the same weights, in the same data order, on
+both backends and compares the losses and predictions.
 """
 
 import os
@@ -44,3 +46,68 @@ def test_suite_runs_on_the_jax_backend():
     assert result.returncode == 0, tail
     assert "passed" in result.stdout and " failed" not in result.stdout, tail
     print(result.stdout.strip().splitlines()[-1])
+
+
+def _small_network():
+    """A network with every moment path (diagonal, full, residual) and the empirical Bayes KL."""
+    import keras
+
+    import keras_dvi as kd
+
+    prior = kd.EmpiricalBayesRegularizer(num_train=200, alpha=1.0, beta=10.0)
+    model = keras.Sequential([
+        keras.Input((1,)),
+        kd.DenseDiagDVI(16, "relu", regularizer=prior),
+        kd.DenseDVI(16, regularizer=prior),
+        kd.SkipDVI("relu", regularizer=prior),
+        kd.DenseDVI(2, regularizer=prior),
+    ])
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+    return model
+
+
+def _train(weights):
+    """Loads `weights` into the small network, trains 2 epochs on 200 toy points in a fixed
+    order, and returns the epoch losses and the predictions on 20 test points."""
+    import numpy as np
+
+    from keras_dvi import datasets
+
+    (x, y), (x_test, _) = datasets.load_toy_regression()
+    model = _small_network()
+    model.load_weights(weights)
+    history = model.fit(x[:200], y[:200], epochs=2, batch_size=50, shuffle=False, verbose=0)
+    return np.asarray(history.history["loss"]), np.asarray(model.predict(x_test[:20], verbose=0))
+
+
+def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
+    """The same weights and data order give the same training on both backends: an oracle
+    with its own ops and automatic differentiation for every gradient in the layers."""
+    pytest.importorskip("jax")
+    import keras
+    import numpy as np
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the reference run is TensorFlow's")
+    keras.utils.set_random_seed(3)
+    weights = str(tmp_path / "start.weights.h5")
+    _small_network().save_weights(weights)
+    losses, predictions = _train(weights)
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("JAX_ENABLE_X64", None)
+    out = str(tmp_path / "jax.npz")
+    result = subprocess.run([sys.executable, __file__, weights, out], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jax_run = np.load(out)
+    assert losses[1] < losses[0]  # it trained
+    np.testing.assert_allclose(jax_run["losses"], losses, rtol=1e-4)
+    np.testing.assert_allclose(jax_run["predictions"], predictions, rtol=1e-3, atol=1e-4)
+
+
+if __name__ == "__main__":  # the JAX side of the test above
+    import numpy as np
+
+    sys.path.insert(0, ROOT)
+    jax_losses, jax_predictions = _train(sys.argv[1])
+    np.savez(sys.argv[2], losses=jax_losses, predictions=jax_predictions)
