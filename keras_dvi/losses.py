@@ -118,6 +118,13 @@ class SoftmaxDeltaELL(_ValidatingLoss):
     `p = softmax(m)`. `method="jankowiak"`: the closed-form approximate bound of Jankowiak
     (2018), eq. 38: `m_y - log sum_j exp(m_j) (1 + S_jj / 2)`.
 
+    The delta method is a second-order expansion, not a bound. Where `softmax(m)` is near
+    one-hot its variance term `p . diag(S) - p^T S p` vanishes whatever `S` is (at
+    `m = (10, 0, 0)`, `S = 25 I` it adds nothing where Monte Carlo gives 0.51 nats), so
+    training can learn large logit variances (notebook 03: median 5.3, and delta-method
+    probabilities that disagree with Monte Carlo). The Jankowiak form's penalty grows with
+    the variance; prefer it when logit variances grow large.
+
     Labels: integer class indices of shape `(batch,)` or `(batch, 1)`, or one-hot (or soft)
     labels of shape `(batch, C)`.
 

@@ -132,6 +132,23 @@ def test_softmax_delta_matches_monte_carlo_for_small_covariance(structure):
     assert np.abs(plain - nll.mean(1)).max() > 5 * np.abs(got - nll.mean(1)).max()
 
 
+def test_softmax_delta_drops_the_variance_penalty_of_confident_logits():
+    """The documented weakness of `method="delta"` (README, notebook 03): when softmax(m) is
+    near one-hot, `p . diag(S) - p^T S p` vanishes whatever S is, so large logit variances go
+    unpenalised, while the Jankowiak form penalises them. Oracle: Monte Carlo over the logits."""
+    rng = np.random.default_rng(6)
+    mean = np.array([[10.0, 0.0, 0.0]], "float32")
+    variance = np.full((1, 3), 25.0, "float32")
+    draws = mean + np.sqrt(variance) * rng.standard_normal((200_000, 3)).astype("float32")
+    nll = np.log(np.exp(draws).sum(-1)) - draws[:, 0]
+    mc, se = nll.mean(), nll.std() / np.sqrt(len(nll))  # about 0.51 +- 0.004
+    delta = to_numpy(SoftmaxDeltaELL(reduction=None)(np.array([0]), pack(mean, variance)))[0]
+    jankowiak = to_numpy(SoftmaxDeltaELL("jankowiak", reduction=None)(np.array([0]), pack(mean, variance)))[0]
+    assert delta < 0.01  # the plain cross-entropy: no penalty for the variance
+    assert mc - delta > 50 * se  # Monte Carlo's penalty is real
+    assert jankowiak > mc  # the Jankowiak form penalises at least as much here (about 2.6)
+
+
 def test_softmax_shape_errors():
     with pytest.raises(ValueError, match="at least 2"):
         SoftmaxDeltaELL()(np.zeros((3,)), pack(np.zeros((3, 1), "float32"), np.ones((3, 1), "float32")))
