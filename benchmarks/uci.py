@@ -58,7 +58,6 @@ METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi")
 BATCH = 32
 
 
-
 def cache_label(method, gi_precision="shared"):
     """The cache folder (`<results>/<data set>/<label>/`) of a method's splits. Per-unit
     global inducing results are cached apart from the shared-precision ones."""
