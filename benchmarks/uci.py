@@ -21,8 +21,9 @@ set, tuned on no data set's test split:
   covariance is dropped as well (with one hidden layer that is the only difference: hidden
   units after a deterministic input are uncorrelated); `mcvi`: `DenseMCVI` with 10 weight
   samples per step (`--mcvi-samples`), evaluated with 100; `hodvi`: DVI with a learned
-  homoscedastic noise (`HomoscedasticNoise` starting at log-variance -3 with the Appendix H scale of 10, as for `gi`: unscaled, Adam at
-  1e-3 cannot reach yacht's log-variance of about -6 in time).
+  homoscedastic noise (`HomoscedasticNoise` starting at log-variance -3 with the Appendix H
+  scale of 10, as for `gi`: unscaled, Adam at 1e-3 cannot reach yacht's log-variance of
+  about -6 in time).
 * `gi`: 2 x 50 ReLU `GlobalInducingDense`, 100 inducing points from the training data,
   shared precisions (eq. 11; `--gi-precision per_unit` for App. K's per-unit ones, about 5x
   slower), NealPrior, learned homoscedastic noise (start -3, App. H scale 10), 10 samples

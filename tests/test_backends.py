@@ -19,9 +19,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _jax_env(x64):
+    """The environment of a JAX subprocess, float64 enabled or not."""
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("JAX_ENABLE_X64", None)
+    if x64:
+        env["JAX_ENABLE_X64"] = "1"
+    return env
+
+
 def test_suite_runs_on_the_jax_backend():
     pytest.importorskip("jax")
-    env = dict(os.environ, KERAS_BACKEND="jax", JAX_ENABLE_X64="1", TF_CPP_MIN_LOG_LEVEL="3")
+    env = _jax_env(x64=True)
     command = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy",
         # layers: every layer type end to end, fit, save/load, edge gradients (float64 included)
@@ -93,11 +102,9 @@ def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
     weights = str(tmp_path / "start.weights.h5")
     _small_network().save_weights(weights)
     losses, predictions = _train(weights)
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("JAX_ENABLE_X64", None)
     out = str(tmp_path / "jax.npz")
-    result = subprocess.run([sys.executable, __file__, weights, out], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, __file__, weights, out], cwd=ROOT,
+                            env=_jax_env(x64=False), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     jax_run = np.load(out)
     assert losses[1] < losses[0]  # it trained
