@@ -81,8 +81,10 @@ PUBLISHED = {
 }
 
 
-def load_split(folder, split):
-    """`((x, y), (x_test, y_test))` of split `split` in the standard layout, float64."""
+def load_split(folder, split, validation=False):
+    """`((x, y), (x_test, y_test))` of split `split` in the standard layout, float64. With
+    `validation`, the training rows are split again (the last 20% of a fixed permutation are
+    the evaluation rows): recipe choices are made there, never on the test rows."""
 
     def ints(name):
         return np.loadtxt(os.path.join(folder, name), dtype=int, ndmin=1)
@@ -91,6 +93,10 @@ def load_split(folder, split):
     features, target = ints("index_features.txt"), int(ints("index_target.txt")[0])
     train, test = ints(f"index_train_{split}.txt"), ints(f"index_test_{split}.txt")
     x, y = data[:, features], data[:, target]
+    if validation:
+        train = np.random.default_rng(split).permutation(train)
+        cut = int(round(0.8 * len(train)))
+        train, test = train[:cut], train[cut:]
     return (x[train], y[train]), (x[test], y[test])
 
 
@@ -155,7 +161,11 @@ def build(method, input_dim, num_train, args):
         model.compile(keras.optimizers.Adam(args.gi_lr), loss=kd.SampledGaussianELL(),
                       steps_per_execution=args.steps_per_execution)
         return model
-    prior = kd.EmpiricalBayesRegularizer(num_train, alpha=1.0, beta=10.0)
+    warmup = kl_warmup_steps(method, args)
+    prior_args = {} if warmup is None else {"kl_warmup_steps": warmup}
+    if args.kl_weight is not None:
+        prior_args["kl_weight"] = args.kl_weight
+    prior = kd.EmpiricalBayesRegularizer(num_train, alpha=1.0, beta=10.0, **prior_args)
     layers = [keras.Input((input_dim,))]
     if method == "mcvi":
         layers += [kd.DenseMCVI(w, "relu", num_samples=args.mcvi_samples, regularizer=prior) for w in args.hidden]
@@ -170,8 +180,10 @@ def build(method, input_dim, num_train, args):
             layers.append(dense(2, regularizer=prior))
         loss = kd.HeteroscedasticELL()
     model = keras.Sequential(layers)
-    # Cosine decay of the learning rate to 1% over the run (Loshchilov & Hutter 2017).
-    lr = keras.optimizers.schedules.CosineDecay(args.lr, args.steps, alpha=0.01) if args.cosine else args.lr
+    # Cosine decay of the learning rate to 1% over the run (Loshchilov & Hutter 2017); constant
+    # under --recipe defaults, where ReduceLROnPlateau decays it (`fit_to_convergence`).
+    use_cosine = args.cosine and args.recipe == "fixed"
+    lr = keras.optimizers.schedules.CosineDecay(args.lr, args.steps, alpha=0.01) if use_cosine else args.lr
     model.compile(keras.optimizers.Adam(lr), loss=loss, steps_per_execution=args.steps_per_execution)
     return model
 
@@ -182,7 +194,7 @@ def run_one(folder, method, split, args):
 
     import keras_dvi as kd
 
-    data = normalise(*load_split(folder, split))
+    data = normalise(*load_split(folder, split, args.validation))
     if args.max_rows:
         data["x"], data["y"] = data["x"][: args.max_rows], data["y"][: args.max_rows]
     n = len(data["x"])
@@ -197,10 +209,13 @@ def run_one(folder, method, split, args):
     # All `steps` minibatches as ONE epoch of pre-shuffled rows (a fresh permutation per pass
     # through the data): Keras' per-epoch overhead (~30 ms) would otherwise dominate small
     # data sets, where an epoch is only a few steps (one, for full batches).
-    x, y = epoch_stream(data["x"], data["y"], steps, batch, args.seed + split)
     warmup = kl_warmup_steps(method, args)
-    callbacks = [kd.KLWarmup(warmup_steps=warmup)] if warmup else []
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    objective = None
+    if args.recipe == "defaults" and method != "gi":
+        steps, objective = fit_to_convergence(model, data, batch, args, args.seed + split)
+    else:
+        x, y = epoch_stream(data["x"], data["y"], steps, batch, args.seed + split)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     seconds = time.time() - start
     sampled = method in ("gi", "mcvi")
     if sampled:
@@ -212,20 +227,61 @@ def run_one(folder, method, split, args):
               "test_ll": ll, "test_rmse": rmse, "seconds": seconds, "num_train": n}
     if method == "gi":
         record["precision"] = args.gi_precision
-    record["kl_warmup"] = warmup
+    record["kl_warmup"] = warmup if warmup is not None else model.layers[0].regularizer.kl_warmup_steps
+    record["recipe"] = args.recipe
+    if args.recipe == "defaults":
+        record["steps"], record["train_objective"] = steps, objective
+    if args.kl_weight is not None:
+        record["kl_weight"] = args.kl_weight
+    if args.validation:
+        record["validation"] = True
     return record
 
 
 def kl_warmup_steps(method, args):
-    """Length of the KL ramp: `--kl-warmup`, default half the run; none for `gi`."""
+    """Length of the KL ramp: `--kl-warmup`, default half the run (`--recipe fixed`) or the
+    prior's default (`--recipe defaults`, `None`); none for `gi`."""
     if method == "gi":
         return 0
+    if args.recipe == "defaults" and args.kl_warmup is None:
+        return None
     return args.steps // 2 if args.kl_warmup is None else args.kl_warmup
 
 
+#: `--recipe defaults`: the training objective is checked every CHUNK steps; the learning rate
+#: drops 10x after PATIENCE checks without an improvement of MIN_DELTA nats, and training stops
+#: after 2 * PATIENCE + 1 such checks (keeping the best weights).
+CHUNK, PATIENCE, MIN_DELTA = 500, 2, 0.005
+
+
+def fit_to_convergence(model, data, batch, args, seed):
+    """Trains until the training objective (-ELBO / N on all training rows, with the full KL
+    weight: `val_loss` on the training data) stops improving, with Keras' own callbacks;
+    returns the number of steps taken."""
+    import keras
+    import tensorflow as tf
+
+    x, y = data["x"], data["y"]
+    stream = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).repeat()
+              .batch(batch, drop_remainder=True))
+    callbacks = [
+        keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.1, patience=PATIENCE, min_delta=MIN_DELTA),
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=2 * PATIENCE + 1, min_delta=MIN_DELTA,
+                                      restore_best_weights=True),
+    ]
+    history = model.fit(stream, epochs=max(1, args.max_steps // CHUNK), steps_per_epoch=CHUNK, verbose=0,
+                        validation_data=(x, y), validation_batch_size=min(len(x), 4096), callbacks=callbacks)
+    return CHUNK * len(history.history["loss"]), float(min(history.history["val_loss"]))
+
+
 def _check_recipe(record, path, args):
-    """A cached result must come from the same KL warm-up (older records had none)."""
+    """A cached result must come from the same recipe and KL warm-up (older records had none)."""
+    if record.get("recipe", "fixed") != args.recipe:
+        raise SystemExit(f"{path} was computed with --recipe {record.get('recipe', 'fixed')}, not "
+                         f"{args.recipe}: pass --results with another folder.")
     cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(record["method"], args)
+    if wanted is None:
+        return
     if cached != wanted:
         raise SystemExit(
             f"{path} was computed with --kl-warmup {cached}, but this run uses {wanted}: pass "
@@ -319,6 +375,11 @@ def make_parser():
     parser.add_argument("--results", default="benchmarks/results/uci", help="cache folder")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--hidden", type=int, nargs="+", default=[50])
+    parser.add_argument("--recipe", choices=("fixed", "defaults"), default="fixed",
+                        help="fixed: the 6,000-step cosine recipe of summary.md; defaults: the library's "
+                             "defaults (no --kl-warmup), constant --lr, trained until the training "
+                             "objective stops improving (--max-steps)")
+    parser.add_argument("--max-steps", type=int, default=40000, help="cap of --recipe defaults")
     parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--no-cosine", dest="cosine", action="store_false", help="constant learning rate")
@@ -327,6 +388,10 @@ def make_parser():
     parser.add_argument("--kl-warmup", type=int, default=None,
                         help="KL ramp 0 -> 1 over this many updates (dvi, ddvi, mcvi, hodvi; "
                              "default: half of --steps; 0: off)")
+    parser.add_argument("--kl-weight", type=float, default=None,
+                        help="KL weight after the warm-up (default: the prior's)")
+    parser.add_argument("--validation", action="store_true",
+                        help="score on 20%% of the training rows, not the test rows (recipe choices)")
     parser.add_argument("--inducing", type=int, default=100)
     parser.add_argument("--gi-steps", type=int, default=3000)
     parser.add_argument("--gi-batch", type=int, default=1000, help="gi batch size (full batch up to this)")

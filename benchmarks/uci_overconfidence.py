@@ -30,7 +30,6 @@ def main(argv=None):
     import keras
     import numpy as np
 
-    import keras_dvi as kd
     from benchmarks import uci
     from keras_dvi import predictive
 
@@ -44,8 +43,7 @@ def main(argv=None):
         model = uci.build("dvi", data["x"].shape[1], n, recipe)
         batch = min(n, uci.BATCH)
         x, y = uci.epoch_stream(data["x"], data["y"], steps, batch, args.seed + args.split)
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[kd.KLWarmup(warmup_steps=uci.kl_warmup_steps("dvi", recipe))])
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)  # warm-up in the prior
         objective = model.evaluate(data["x"], data["y"], batch_size=n, verbose=0, return_dict=True)
         print(f"{name} split {args.split}, {steps} steps: -ELBO / N {objective['loss']:.3f} "
               f"(nll {objective['nll']:.3f}, kl {objective['kl']:.3f})")

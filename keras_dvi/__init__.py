@@ -9,7 +9,11 @@ Public API:
   `initialize_from_data(model, x, y)`, `predict_samples(model, x, num_samples)` and
   `set_sampling_seed(model, seed)`;
 * losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
-  `GaussianPriorRegularizer`; the `KLWarmup` callback;
+  `GaussianPriorRegularizer` (each with `num_train`, `kl_weight` and `kl_warmup_steps`); the
+  deprecated `KLWarmup` callback;
+* `predict(model, x)`: predictions as NumPy arrays (mean, std, epistemic and aleatoric parts,
+  intervals; or class probabilities and entropy);
+* `TargetScaling`: a regression head in the targets' own units;
 * `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
 * `sample_outputs(model, x, num_samples, seed)`: the Monte Carlo reference;
 * modules `moments` (closed-form moment maths), `predictive` (predictive distributions and
@@ -30,9 +34,11 @@ from keras_dvi.layers import (
     SampledHomoscedasticNoise,
     SkipDiagDVI,
     SkipDVI,
+    TargetScaling,
 )
 from keras_dvi.losses import HeteroscedasticELL, SampledGaussianELL, SampledSoftmaxELL, SoftmaxDeltaELL
 from keras_dvi.packing import unpack
+from keras_dvi.prediction import predict
 from keras_dvi.priors import EmpiricalBayesRegularizer, GaussianPriorRegularizer, NealPrior, StandardPrior
 from keras_dvi.sampling import sample_outputs
 
@@ -43,6 +49,7 @@ __all__ = [
     "SkipDVI",
     "SkipDiagDVI",
     "HomoscedasticNoise",
+    "TargetScaling",
     "GlobalInducingDense",
     "SampledHomoscedasticNoise",
     "SampledGaussianELL",
@@ -58,6 +65,7 @@ __all__ = [
     "GaussianPriorRegularizer",
     "KLWarmup",
     "unpack",
+    "predict",
     "sample_outputs",
     "datasets",
     "metrics",

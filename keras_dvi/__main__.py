@@ -10,6 +10,7 @@ training statistics; metrics in original units).
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -19,6 +20,17 @@ def load_uci(folder, split):
     """Train/test arrays of split `split` of a data set in the standard UCI layout."""
     import numpy as np
 
+    needed = ["data.txt", "index_features.txt", "index_target.txt", f"index_train_{split}.txt",
+              f"index_test_{split}.txt"]
+    if not os.path.isdir(folder):
+        raise SystemExit(f"python -m keras_dvi: --data {folder!r} is not a folder (expected the UCI "
+                         f"layout: {', '.join(needed[:3])}, index_train_K.txt, index_test_K.txt).")
+    missing = [name for name in needed if not os.path.exists(os.path.join(folder, name))]
+    if missing:
+        splits = sorted(int(n[12:-4]) for n in os.listdir(folder) if n.startswith("index_train_") and n[12:-4].isdigit())
+        raise SystemExit(f"python -m keras_dvi: {folder!r} lacks {', '.join(missing)}"
+                         + (f" (splits available: {splits[0]}..{splits[-1]})" if splits else "") + ".")
+
     def ints(name):
         return np.loadtxt(os.path.join(folder, name), dtype=int, ndmin=1)
 
@@ -27,6 +39,23 @@ def load_uci(folder, split):
     train, test = ints(f"index_train_{split}.txt"), ints(f"index_test_{split}.txt")
     x, y = data[:, features].astype("float32"), data[:, target].astype("float32")
     return (x[train], y[train]), (x[test], y[test])
+
+
+def toy_truth_ll(x, y):
+    """Mean test log-likelihood of the toy data's generating model (`datasets.load_toy_regression`)."""
+    import numpy as np
+
+    x = x[:, 0].astype("float64")
+    mean = -(x + 0.5) * np.sin(3 * np.pi * x)
+    sd = 0.45 * (x + 0.5) ** 2
+    return float(np.mean(-0.5 * np.log(2 * np.pi * sd**2) - 0.5 * ((y - mean) / sd) ** 2))
+
+
+def constant_ll(y_train, y_test):
+    import numpy as np
+
+    mean, sd = float(np.mean(y_train)), float(np.std(y_train))
+    return float(np.mean(-0.5 * np.log(2 * np.pi * sd**2) - 0.5 * ((y_test - mean) / sd) ** 2))
 
 
 def build_model(input_dim, hidden, method, prior, learning_rate):
@@ -70,8 +99,11 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="keras_dvi_toy.png",
                         help="PNG of the predictive (1-D inputs only); '' to skip")
-    parser.add_argument("--verbose", type=int, default=1, help="Keras fit verbosity")
+    parser.add_argument("--verbose", type=int, default=None,
+                        help="Keras fit verbosity (default: a progress bar on a terminal, else a line per epoch)")
     args = parser.parse_args(argv)
+    if args.verbose is None:
+        args.verbose = 1 if sys.stdout.isatty() else 2
 
     import keras
     import numpy as np
@@ -103,6 +135,10 @@ def main(argv=None):
     print(f"keras-dvi {keras_dvi.__version__}: {args.method.upper()} {arch} ReLU, "
           f"{'empirical Bayes' if args.prior == 'eb' else 'fixed N(0, 1)'} prior, {name} "
           f"({n} train / {len(x_test)} test)")
+    if args.method == "ddvi" and len(hidden) == 1:
+        print("note: with one hidden layer dDVI computes exactly what DVI does: the units of a layer fed "
+              "with data are uncorrelated, and both use a full-covariance head; the two differ from "
+              "the second hidden layer on (the toy network without --data has two)")
     start = time.perf_counter()
     model.fit(norm_x(x_train), (y_train - y_mean) / y_std, epochs=epochs,
               batch_size=args.batch_size, verbose=args.verbose)
@@ -112,6 +148,9 @@ def main(argv=None):
     print(f"trained {epochs} epochs in {seconds:.1f} s")
     print(f"train: log-likelihood {train_ll:8.4f}  RMSE {train_rmse:.4f}")
     print(f"test:  log-likelihood {test_ll:8.4f}  RMSE {test_rmse:.4f}")
+    if not args.data:
+        print(f"reference on the same test points: the data's true mean and noise {toy_truth_ll(x_test, y_test):.4f}, "
+              f"a constant Gaussian (training mean and sd) {constant_ll(y_train, y_test):.4f}")
     if args.plot and x_train.shape[1] == 1:
         from keras_dvi import plotting
 

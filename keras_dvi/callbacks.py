@@ -1,38 +1,25 @@
 """Keras callbacks for keras-dvi training."""
 
+import warnings
+
 import keras
 
-from keras_dvi.layers.reporting import ELBOReportingLayer
-
-
-def elbo_trackers(model):
-    """The distinct `ELBOTracker`s of a model's keras-dvi layers."""
-    trackers = {}
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, ELBOReportingLayer) and layer.elbo_tracker is not None:
-            trackers[id(layer.elbo_tracker)] = layer.elbo_tracker
-    return list(trackers.values())
+from keras_dvi import network
+from keras_dvi.layers.base import BayesianLayer
 
 
 class KLWarmup(keras.callbacks.Callback):
-    """KL weight schedule: 0 for `delay_steps` updates, then a linear ramp to 1.
+    """Deprecated: the KL warm-up is now part of the prior, on by default.
 
-    The original DVI code kept the KL term off for the first updates and then ramped it in.
-    The weight multiplies every layer's `KL / N` in the loss (the `kl` log entry shows the
-    unweighted value).
-
-    Steps are optimizer updates counted from the first `fit` the callback takes part in (it
-    reads `optimizer.iterations`), so the schedule is the same whatever `steps_per_execution`
-    is; with `steps_per_execution = k` the weight is updated every `k` steps and held within
-    each group. Reusing the callback in a later `fit` continues the schedule.
+    Use `EmpiricalBayesRegularizer(num_train, kl_warmup_steps=...)` (or
+    `GaussianPriorRegularizer`) instead; the schedule then works on every backend and in
+    `evaluate` without a callback. This callback still works: at the start of `fit` it sets the
+    warm-up of every prior in the model to `warmup_steps` after `delay_steps` steps with the KL
+    off, counted from the first `fit` it takes part in.
 
     Args:
         delay_steps: optimizer steps with the KL switched off.
-        warmup_steps: steps of the linear ramp from 0 to 1 after the delay (0: jump to 1).
-
-    Example:
-
-    >>> model.fit(x, y, epochs=100, callbacks=[KLWarmup(delay_steps=500, warmup_steps=1000)])
+        warmup_steps: steps of the linear ramp from 0 to the prior's `kl_weight` after the delay.
     """
 
     def __init__(self, delay_steps=0, warmup_steps=0):
@@ -40,12 +27,19 @@ class KLWarmup(keras.callbacks.Callback):
         for name, value in (("delay_steps", delay_steps), ("warmup_steps", warmup_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Argument `{name}` must be a non-negative integer; received {value!r}.")
+        warnings.warn(
+            "keras_dvi.KLWarmup is deprecated: the KL warm-up is part of the prior and on by "
+            "default; pass `kl_warmup_steps=` to EmpiricalBayesRegularizer / "
+            "GaussianPriorRegularizer instead of the callback.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         self.delay_steps = delay_steps
         self.warmup_steps = warmup_steps
-        self._first_iteration = None
+        self._started = False
 
     def weight(self, step):
-        """The KL weight used at optimizer step `step` (0-based)."""
+        """The KL warm-up factor at optimizer step `step` (0-based)."""
         if step < self.delay_steps:
             return 0.0
         if self.warmup_steps == 0:
@@ -53,24 +47,12 @@ class KLWarmup(keras.callbacks.Callback):
         return min(1.0, (step - self.delay_steps + 1) / self.warmup_steps)
 
     def on_train_begin(self, logs=None):
-        if keras.backend.backend() == "jax":
-            raise ValueError(
-                "KLWarmup needs the TensorFlow (or torch) backend: under JAX the KL weight "
-                "cannot be changed inside a compiled training step (keras-dvi keeps it at 1)."
-            )
-        if self._first_iteration is None:
-            self._first_iteration = self._iterations()
-        self._trackers = elbo_trackers(self.model)  # once per fit, not per batch
-
-    def _iterations(self):
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-
-    def on_train_batch_begin(self, batch, logs=None):
-        # Keras calls this once per `steps_per_execution` group of steps: count real updates.
-        weight = self.weight(self._iterations() - self._first_iteration)
-        for tracker in self._trackers:
-            tracker.kl_weight.assign(weight)
-
-    def on_train_end(self, logs=None):
-        for tracker in self._trackers:
-            tracker.kl_weight.assign(1.0)
+        layers = [layer for layer in network.layers_of(self.model) if isinstance(layer, BayesianLayer)]
+        for layer in layers:
+            if layer.regularizer is not None:
+                layer.regularizer.kl_warmup_steps = self.warmup_steps
+                layer.regularizer.kl_delay_steps = self.delay_steps
+            if not self._started and getattr(layer, "kl_step", None) is not None:
+                layer.kl_step.assign(0.0)
+        self._started = True
+        self.model.make_train_function(force=True)  # trace the new schedule

@@ -9,12 +9,13 @@
 import keras
 import numpy as np
 
+from keras_dvi import network
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 
 
 def global_inducing_layers(model):
     """The `GlobalInducingDense` layers of `model`, in call order."""
-    return [layer for layer in model._flatten_layers(include_self=False) if isinstance(layer, GlobalInducingDense)]
+    return [layer for layer in network.layers_of(model) if isinstance(layer, GlobalInducingDense)]
 
 
 def _first_and_output(model):
@@ -77,7 +78,7 @@ def initialize_from_data(model, x, y=None, seed=None):
 
 def _sampling_head(model):
     """The layer that sets the sample axis: the first with a `num_samples` setting."""
-    for layer in model._flatten_layers(include_self=False):
+    for layer in network.layers_of(model):
         if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
             return layer
     raise ValueError("Argument `model` has no sampling layer (GlobalInducingDense or DenseMCVI).")

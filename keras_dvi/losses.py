@@ -2,7 +2,7 @@
 
 Each loss reads the packed output of the last keras-dvi layer (see `keras_dvi.packing`),
 returns the per-example negative expected log-likelihood, and reports its batch mean as
-`nll` in the training logs (`keras_dvi.tracking`).
+`nll` in the training logs (`keras_dvi.objective`).
 """
 
 import math
@@ -10,29 +10,13 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, tracking, validation
+from keras_dvi import moments, objective, packing, validation
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
 def _report(nll):
-    tracker = tracking.active_tracker()
-    if tracker is not None:
-        tracker.add_nll(ops.mean(nll))
-
-
-def _targets(y_true, dims, name):
-    """`y_true` as `(batch, dims)`; accepts `(batch,)` when `dims == 1`."""
-    shape = tuple(y_true.shape)
-    if len(shape) == 1 and dims == 1:
-        return y_true[:, None]
-    if len(shape) == 2 and shape[1] == dims:
-        return y_true
-    raise ValueError(
-        f"{name}: targets `y_true` must have shape (batch, {dims})"
-        + (" or (batch,)" if dims == 1 else "")
-        + f" to match a model output with {dims} target dimension(s); received shape {shape}."
-    )
+    objective.report_nll(ops.mean(nll))
 
 
 class _ValidatingLoss(keras.losses.Loss):
@@ -91,7 +75,7 @@ class HeteroscedasticELL(_ValidatingLoss):
                 "homoscedastic model add keras_dvi.HomoscedasticNoise() after the output layer."
             )
         dims = units // 2
-        y = ops.cast(_targets(y_true, dims, "HeteroscedasticELL"), mean.dtype)
+        y = ops.cast(validation.regression_targets(y_true, dims, "HeteroscedasticELL"), mean.dtype)
         y = validation.check_finite(y, "y_true", self.validate)
         mean = validation.check_finite(mean, "y_pred", self.validate)
         if len(second.shape) == 3:
@@ -152,7 +136,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
                 "SoftmaxDeltaELL needs a model output with one logit per class (at least 2 "
                 f"units); received {classes} unit(s)."
             )
-        labels = validation.check_finite(_labels(y_true, classes, mean.dtype), "y_true", self.validate)
+        labels = validation.check_finite(validation.class_labels(y_true, classes, mean.dtype), "y_true", self.validate)
         mean = validation.check_finite(mean, "y_pred", self.validate)
         variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
         if self.method == "jankowiak":
@@ -167,7 +151,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
                 quadratic = ops.sum(ops.square(p) * variance, axis=-1)
             correction = 0.5 * (ops.sum(p * variance, axis=-1) - quadratic)
             ell = log_p - correction[:, None]
-        nll = -ops.sum(labels * ell, axis=-1)
+        nll = validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
         _report(nll)
         return nll
 
@@ -228,7 +212,7 @@ class SampledGaussianELL(_ValidatingLoss):
                 "keras_dvi.SampledHomoscedasticNoise() after the output layer."
             )
         dims = units // 2
-        y = ops.cast(_targets(y_true, dims, "SampledGaussianELL"), y_pred.dtype)
+        y = ops.cast(validation.regression_targets(y_true, dims, "SampledGaussianELL"), y_pred.dtype)
         y = validation.check_finite(y, "y_true", self.validate)
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         f, log_var = y_pred[..., :dims], y_pred[..., dims:]
@@ -271,23 +255,9 @@ class SampledSoftmaxELL(_ValidatingLoss):
                 "SampledSoftmaxELL needs one logit per class (at least 2 units); received "
                 f"{classes} unit(s)."
             )
-        labels = validation.check_finite(_labels(y_true, classes, y_pred.dtype), "y_true", self.validate)
+        labels = validation.check_finite(validation.class_labels(y_true, classes, y_pred.dtype), "y_true", self.validate)
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         log_p = y_pred - ops.logsumexp(y_pred, axis=-1, keepdims=True)
-        nll = -ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1)
+        nll = validation.poison_unlabelled(-ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1), labels)
         _report(nll)
         return nll
-
-
-def _labels(y_true, classes, dtype):
-    shape = tuple(y_true.shape)
-    if len(shape) == 2 and shape[1] == classes:
-        return ops.cast(y_true, dtype)
-    if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
-        indices = ops.cast(ops.reshape(y_true, (-1,)), "int32")
-        return ops.one_hot(indices, classes, dtype=dtype)
-    raise ValueError(
-        f"keras_dvi losses: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
-        f"or one-hot of shape (batch, {classes}) to match the {classes} logits; received "
-        f"shape {shape}."
-    )

@@ -8,12 +8,13 @@ Each wraps a function of `keras_dvi.predictive` and averages it over examples li
 import keras
 from keras import ops
 
-from keras_dvi import losses, packing, predictive
+from keras_dvi import packing, predictive, validation
 
 
 def _squared_error(y_true, y_pred):
     mean = predictive.regression_moments(y_pred)["mean"]
-    return ops.mean(ops.square(predictive._targets(y_true, mean) - mean), axis=-1)
+    y = ops.cast(validation.regression_targets(y_true, mean.shape[-1], "PredictiveMSE"), mean.dtype)
+    return ops.mean(ops.square(y - mean), axis=-1)
 
 
 def _log_likelihood(y_true, y_pred):
@@ -22,7 +23,7 @@ def _log_likelihood(y_true, y_pred):
 
 def _accuracy(y_true, y_pred):
     mean, _ = packing.unpack(y_pred)
-    labels = losses._labels(y_true, mean.shape[-1], mean.dtype)  # one-hot, validated
+    labels = validation.class_labels(y_true, mean.shape[-1], mean.dtype)  # one-hot, validated
     hits = ops.argmax(mean, axis=-1) == ops.argmax(labels, axis=-1)
     return ops.cast(hits, "float32")
 
@@ -61,7 +62,10 @@ class PredictiveLogLikelihood(_PredictiveMetric):
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class MeanLogitAccuracy(_PredictiveMetric):
-    """Classification accuracy of the argmax of the mean logits (integer or one-hot labels)."""
+    """Classification accuracy of the argmax of the mean logits (integer or one-hot labels).
+
+    Logged as `mean_logit_accuracy` (`val_mean_logit_accuracy` for validation data), the name
+    a callback's `monitor` takes; before 0.1.0 it was logged as `accuracy`."""
 
     fn = staticmethod(_accuracy)
-    default_name = "accuracy"
+    default_name = "mean_logit_accuracy"

@@ -1,8 +1,11 @@
 """Priors over the weights of keras-dvi layers, as KL regularisers.
 
-Attach one to a layer with `regularizer=`; the layer adds `kl_weight * KL(q || p) / num_train`
+Attach one prior to every layer of a network with `regularizer=`: it says how many training
+examples there are (`num_train`) and how the KL enters the objective (`kl_weight`,
+`kl_warmup_steps`; see `keras_dvi.objective`). Each layer adds `w_t * KL(q || p) / num_train`
 to the model's losses, separately for its kernel and its bias (one weight set each), so that
-what `model.fit` minimises is `-ELBO / N` when the likelihood loss is averaged per example.
+what `model.fit` minimises after the warm-up is `-ELBO / N` (with `kl_weight = 1`) when the
+likelihood loss is averaged per example.
 
 `EmpiricalBayesRegularizer` is the paper's hierarchical prior (Wu et al., ICLR 2019, eqs.
 10-13): each weight set `lambda` has prior `N(0, s_lambda)` with `s_lambda ~ InvGamma(alpha,
@@ -16,6 +19,8 @@ paper's "DVI-fixed" ablation).
 import keras
 from keras import ops
 
+from keras_dvi import validation
+
 
 def gaussian_kl(mean, variance, prior_variance):
     """`sum_i KL(N(mean_i, variance_i) || N(0, prior_variance))` (math.md section 7)."""
@@ -24,19 +29,17 @@ def gaussian_kl(mean, variance, prior_variance):
     return 0.5 * ops.sum(ops.log(prior_variance) - ops.log(variance) - 1.0 + ratio)
 
 
-def _check_num_train(num_train):
-    if isinstance(num_train, bool) or not isinstance(num_train, int) or num_train <= 0:
+#: Default length of the KL warm-up, in training steps (optimizer updates).
+DEFAULT_KL_WARMUP_STEPS = 1000
+
+
+def _check_kl_warmup_steps(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
-            "Argument `num_train` must be the number of training examples, a positive "
-            f"integer (the KL is divided by it, never by the batch size); received {num_train!r}."
+            "Argument `kl_warmup_steps` must be a non-negative integer (training steps over "
+            f"which the KL weight rises from 0; 0: no warm-up); received {value!r}."
         )
-    return num_train
-
-
-def _check_positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"Argument `{name}` must be a positive number; received {name}={value!r}.")
-    return float(value)
+    return value
 
 
 class PriorRegularizer:
@@ -44,10 +47,22 @@ class PriorRegularizer:
 
     Args:
         num_train: number of training examples `N`; the KL is divided by it.
+        kl_weight: weight of the KL term after the warm-up. 1 (the default) is the ELBO;
+            a value below 1 tempers the posterior (a "cold" posterior, closer to maximum
+            likelihood): a departure from Bayesian inference, sometimes better calibrated on
+            small data sets (BENCHMARKS.md).
+        kl_warmup_steps: training steps (optimizer updates) over which the KL weight rises
+            linearly from 0 to `kl_weight` (default 1000; 0 turns the warm-up off). Without it,
+            a network with many weights per training example is pulled to the prior by the
+            KL's gradient before the data term can act, and stays there (BENCHMARKS.md).
+            Counted per layer in its `kl_step` variable, on every backend; evaluation always
+            uses `kl_weight`.
     """
 
-    def __init__(self, num_train):
-        self.num_train = _check_num_train(num_train)
+    def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+        self.num_train = validation.num_train(num_train)
+        self.kl_weight = validation.positive_number("kl_weight", kl_weight)
+        self.kl_warmup_steps = _check_kl_warmup_steps(kl_warmup_steps)
 
     def kl(self, mean, variance, fan_in):
         """KL divergence of one weight set (all entries of `mean` / `variance`)."""
@@ -58,7 +73,11 @@ class PriorRegularizer:
         return self.kl(mean, variance, fan_in) / float(self.num_train)
 
     def get_config(self):
-        return {"num_train": self.num_train}
+        return {
+            "num_train": self.num_train,
+            "kl_weight": self.kl_weight,
+            "kl_warmup_steps": self.kl_warmup_steps,
+        }
 
     @classmethod
     def from_config(cls, config):
@@ -76,6 +95,8 @@ class EmpiricalBayesRegularizer(PriorRegularizer):
         beta_per_fan_in: if `True`, the effective scale is `beta / fan_in` for each layer (the
             original code's toy used `alpha = 4.4798`, `beta = (1 + alpha) * 5 / fan_in`, i.e.
             `beta=(1 + 4.4798) * 5, beta_per_fan_in=True`).
+        kl_weight: weight of the KL after the warm-up (see `PriorRegularizer`).
+        kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
 
     Example:
 
@@ -87,10 +108,10 @@ class EmpiricalBayesRegularizer(PriorRegularizer):
     ... ])
     """
 
-    def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False):
-        super().__init__(num_train)
-        self.alpha = _check_positive("alpha", alpha)
-        self.beta = _check_positive("beta", beta)
+    def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False, **kwargs):
+        super().__init__(num_train, **kwargs)
+        self.alpha = validation.positive_number("alpha", alpha)
+        self.beta = validation.positive_number("beta", beta)
         self.beta_per_fan_in = bool(beta_per_fan_in)
 
     def optimal_prior_variance(self, mean, variance, fan_in):
@@ -118,11 +139,13 @@ class GaussianPriorRegularizer(PriorRegularizer):
     Args:
         num_train: number of training examples `N` (positive integer).
         variance: prior variance (positive).
+        kl_weight: weight of the KL after the warm-up (see `PriorRegularizer`).
+        kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
     """
 
-    def __init__(self, num_train, variance=1.0):
-        super().__init__(num_train)
-        self.variance = _check_positive("variance", variance)
+    def __init__(self, num_train, variance=1.0, **kwargs):
+        super().__init__(num_train, **kwargs)
+        self.variance = validation.positive_number("variance", variance)
 
     def kl(self, mean, variance, fan_in):
         return gaussian_kl(mean, variance, self.variance)

@@ -1,4 +1,5 @@
-"""Checks of input values: clear errors for NaN/inf, negative variances, asymmetric covariances.
+"""Checks of arguments and input values: clear errors for bad numbers, shapes, labels, NaN/inf,
+negative variances and asymmetric covariances. Every module checks its inputs through here.
 
 Shapes are always checked (they are static). Values are checked whenever they are concrete
 (eager calls: `model(x)`, `layer(x)`, `loss(y, y_pred)`), at the cost of one pass over the
@@ -101,3 +102,89 @@ def check_same_batch(y_true, y_pred, message):
         ):
             return tf.identity(y_pred)
     return y_pred
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def positive_number(name, value):
+    """`value` as a float; `ValueError` naming `name` unless it is a positive number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Argument `{name}` must be a positive number; received {name}={value!r}.")
+    return float(value)
+
+
+def num_train(value):
+    """The number of training examples: a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(
+            "Argument `num_train` must be the number of training examples, a positive "
+            f"integer (the KL is divided by it, never by the batch size); received {value!r}."
+        )
+    return int(value)
+
+
+# ---------------------------------------------------------------- targets and labels
+
+
+def regression_targets(y_true, dims, name):
+    """`y_true` as `(batch, dims)`; accepts `(batch,)` when `dims == 1`. `name` prefixes the
+    error message (the loss or function that received the targets)."""
+    shape = tuple(y_true.shape)
+    if len(shape) == 1 and dims == 1:
+        return y_true[:, None]
+    if len(shape) == 2 and shape[1] == dims:
+        return y_true
+    raise ValueError(
+        f"{name}: targets `y_true` must have shape (batch, {dims})"
+        + (" or (batch,)" if dims == 1 else "")
+        + f" to match a model output with {dims} target dimension(s); received shape {shape}."
+    )
+
+
+def class_labels(y_true, classes, dtype, validate=False):
+    """Labels as one-hot (or soft) rows `(batch, classes)`.
+
+    Integer labels `(batch,)` / `(batch, 1)` must lie in `0 .. classes - 1`: checked in eager
+    calls, by a TensorFlow assertion inside compiled TensorFlow steps, and elsewhere (JAX) an
+    out-of-range label gives an all-zero row, which the losses turn into a NaN loss rather
+    than a silently wrong one.
+    """
+    shape = tuple(y_true.shape)
+    if len(shape) == 2 and shape[1] == classes:
+        return ops.cast(y_true, dtype)
+    if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
+        indices = ops.cast(ops.reshape(y_true, (-1,)), "int32")
+        return ops.one_hot(_check_label_range(indices, classes), classes, dtype=dtype)
+    raise ValueError(
+        f"keras_dvi losses: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
+        f"or one-hot of shape (batch, {classes}) to match the {classes} logits; received "
+        f"shape {shape}."
+    )
+
+
+def _check_label_range(indices, classes):
+    message = (
+        f"Argument `y_true` has integer class labels outside 0..{classes - 1}, the range of the "
+        f"model's {classes} logits: relabel the classes 0..{classes - 1} (e.g. subtract 1 from "
+        f"labels 1..{classes}) or give the output layer one unit per class"
+    )
+    value = _concrete(indices)
+    if value is not None:
+        if value.size and (value.min() < 0 or value.max() >= classes):
+            _fail(message + f"; received labels from {value.min()} to {value.max()}.")
+        return indices
+    if keras.backend.backend() == "tensorflow" and not isinstance(indices, keras.KerasTensor):
+        import tensorflow as tf
+
+        with tf.control_dependencies([
+            tf.debugging.assert_non_negative(indices, message=message),
+            tf.debugging.assert_less(indices, tf.constant(classes, indices.dtype), message=message),
+        ]):
+            return tf.identity(indices)
+    return indices
+
+
+def poison_unlabelled(nll, labels):
+    """NaN where a label row sums to 0 (an out-of-range integer label under JAX), else `nll`."""
+    return ops.where(ops.sum(labels, axis=-1) > 0, nll, ops.full_like(nll, float("nan")))

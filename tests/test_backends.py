@@ -4,10 +4,10 @@ Runs a cross-section of the suite again in a subprocess with `KERAS_BACKEND=jax`
 layer end to end, save/load, float64, gradients at the numerical edges, the losses, and the
 core global inducing and MCVI tests, with `JAX_ENABLE_X64=1` for the float64 cases (the full
 global inducing and MCVI files passed on JAX during development). Tests marked
-`tensorflow_only` (the `nll` / `kl` log entries, `KLWarmup`, graph-mode validation, XLA
-through `jit_compile`) are skipped there; `heavy` ones (long trainings) are left out.
-A second check trains the same network from the same weights, in the same data order, on
-both backends and compares the losses and predictions.
+`tensorflow_only` (graph-mode validation, XLA through `jit_compile`) are skipped there;
+`heavy` ones (long trainings) are left out. A second check trains the same network from the
+same weights, in the same data order, on both backends (inside the default KL warm-up) and
+compares the losses, the `nll` / `kl` logs and the predictions.
 """
 
 import os
@@ -49,6 +49,8 @@ def test_suite_runs_on_the_jax_backend():
         "tests/test_global_inducing.py::test_top_layer_is_bayesian_linear_regression_on_propagated_features",
         "tests/test_global_inducing.py::test_per_unit_precision_and_classification_train",
         "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
+        # the objective: KL schedule and weight, logs, every kind of model
+        "tests/test_training.py",
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     tail = result.stdout[-6000:] + result.stderr[-2000:]
@@ -77,7 +79,8 @@ def _small_network():
 
 def _train(weights):
     """Loads `weights` into the small network, trains 2 epochs on 200 toy points in a fixed
-    order, and returns the epoch losses and the predictions on 20 test points."""
+    order, and returns the epoch losses, `nll` and `kl` logs, and the predictions on 20 test
+    points."""
     import numpy as np
 
     from keras_dvi import datasets
@@ -85,8 +88,9 @@ def _train(weights):
     (x, y), (x_test, _) = datasets.load_toy_regression()
     model = _small_network()
     model.load_weights(weights)
-    history = model.fit(x[:200], y[:200], epochs=2, batch_size=50, shuffle=False, verbose=0)
-    return np.asarray(history.history["loss"]), np.asarray(model.predict(x_test[:20], verbose=0))
+    history = model.fit(x[:200], y[:200], epochs=2, batch_size=50, shuffle=False, verbose=0).history
+    logs = np.asarray([history["loss"], history["nll"], history["kl"]])
+    return logs, np.asarray(model.predict(x_test[:20], verbose=0))
 
 
 def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
@@ -107,8 +111,11 @@ def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
                             env=_jax_env(x64=False), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     jax_run = np.load(out)
-    assert losses[1] < losses[0]  # it trained
-    np.testing.assert_allclose(jax_run["losses"], losses, rtol=1e-4)
+    assert losses[1, 1] < losses[1, 0]  # it trained (nll)
+    # Inside the default warm-up (1,000 steps): (loss - nll) / kl is the mean KL weight of the
+    # epoch's 4 steps, (1 + 2 + 3 + 4) / 4000 then (5 + ... + 8) / 4000.
+    np.testing.assert_allclose((losses[0] - losses[1]) / losses[2], [2.5e-3, 6.5e-3], rtol=0.05)
+    np.testing.assert_allclose(jax_run["losses"], losses, rtol=1e-4)  # loss, nll and kl
     np.testing.assert_allclose(jax_run["predictions"], predictions, rtol=1e-3, atol=1e-4)
 
 

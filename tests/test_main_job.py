@@ -83,3 +83,24 @@ def test_main_job_reads_the_uci_layout(tmp_path):
     np.testing.assert_allclose(y_train, data[:30, 3].astype("float32"))
     results = main(["--data", str(tmp_path), "--epochs", "2", "--verbose", "0", "--plot", ""])
     assert np.isfinite(results["test_ll"]) and np.isfinite(results["test_rmse"])
+
+
+def test_main_job_explains_itself_and_refuses_missing_data(tmp_path, capsys):
+    from keras_dvi.__main__ import main
+
+    with pytest.raises(SystemExit, match="is not a folder"):
+        main(["--data", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match=r"lacks data\.txt"):
+        main(["--data", str(tmp_path)])
+    rng = np.random.default_rng(1)
+    np.savetxt(tmp_path / "data.txt", rng.normal(size=(30, 3)))
+    np.savetxt(tmp_path / "index_features.txt", [0, 1], fmt="%d")
+    np.savetxt(tmp_path / "index_target.txt", [2], fmt="%d")
+    np.savetxt(tmp_path / "index_train_0.txt", np.arange(24), fmt="%d")
+    np.savetxt(tmp_path / "index_test_0.txt", np.arange(24, 30), fmt="%d")
+    with pytest.raises(SystemExit, match=r"index_train_3\.txt.*splits available: 0\.\.0"):
+        main(["--data", str(tmp_path), "--split", "3"])
+    main(["--data", str(tmp_path), "--method", "ddvi", "--epochs", "2", "--plot", ""])
+    out = capsys.readouterr().out
+    assert "dDVI computes exactly what DVI does" in out
+    assert "Epoch 2/2" in out and "━" not in out  # a line per epoch when output is not a terminal

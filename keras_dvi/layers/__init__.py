@@ -8,6 +8,7 @@ from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.sampled_noise import SampledHomoscedasticNoise
 from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
+from keras_dvi.layers.target_scaling import TargetScaling
 
 __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "HomoscedasticNoise",
-           "GlobalInducingDense", "SampledHomoscedasticNoise", "DenseMCVI"]
+           "GlobalInducingDense", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling"]

@@ -7,6 +7,7 @@ forward pass used by `keras_dvi.sample_outputs`, and configuration. Subclasses i
 """
 
 import math
+import warnings
 
 import keras
 from keras import ops
@@ -85,7 +86,9 @@ class BayesianLayer(ELBOReportingLayer):
             bias = kernel / 10.0
         return float(kernel), float(bias)
 
-    def _build_posterior(self, fan_in, units):
+    def _build_posterior(self, fan_in, units, is_head):
+        """Creates the posterior variables and the objective's state (`kl_step`; the network's
+        tracker when `is_head`, i.e. the input is deterministic data)."""
         kernel_var, bias_var = self._initial_variances(fan_in)
         self._kernel_mean = self.add_weight(
             name="kernel_mean",
@@ -116,6 +119,7 @@ class BayesianLayer(ELBOReportingLayer):
             self._bias_mean = None
             self._bias_log_std = None
         self._fan_in = fan_in
+        self._build_kl_step(is_head)
 
     @property
     def kernel_mean(self):
@@ -220,10 +224,28 @@ class BayesianLayer(ELBOReportingLayer):
             kl = kl + self.regularizer(self.bias_mean, self.bias_variance, self._fan_in)
         return kl
 
-    def _report_kl(self):
-        self._report_kl_value(None if self.regularizer is None else self.kl_divergence())
+    def _kl_schedule(self):
+        prior = self.regularizer
+        if prior is None:
+            return 1.0, 0, 0
+        return prior.kl_weight, prior.kl_warmup_steps, getattr(prior, "kl_delay_steps", 0)
 
-    def call(self, inputs):
+    def _report_kl(self, training=False):
+        self._start_network()
+        if training and self.regularizer is None and not getattr(self, "_warned_no_prior", False):
+            self._warned_no_prior = True
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r} is trained without a prior "
+                "(`regularizer=None`): no KL term pulls its posterior, so its variances shrink "
+                "towards 0 and it is fitted by noisy maximum likelihood, and the logged `kl` "
+                "leaves it out. Pass one prior to every keras-dvi layer of the network, e.g. "
+                "`regularizer=keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))`.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._report_kl_value(None if self.regularizer is None else self.kl_divergence(), training)
+
+    def call(self, inputs, training=None):
         context = sampling.current_context()
         if context is not None:
             return self._sample(inputs, context)
@@ -232,7 +254,7 @@ class BayesianLayer(ELBOReportingLayer):
         second = None if second is None else ops.cast(second, self.moment_dtype)
         self._check_features(int(mean.shape[-1]) if mean.shape[-1] is not None else None)
         mean, second = validation.check_moments(mean, second, kind, "inputs", self.validate)
-        self._report_kl()
+        self._report_kl(training)
         mean, second = self._moments(mean, second, kind)
         return packing.pack(mean, second)
 
@@ -312,12 +334,12 @@ class DenseBase(BayesianLayer):
         self.units = units
 
     def build(self, input_shape):
-        _, features = packing.structure_of_shape(input_shape)
+        kind, features = packing.structure_of_shape(input_shape)
         if features is None:
             raise ValueError(
                 f"The last dimension of the inputs to {type(self).__name__} must be defined."
             )
-        self._build_posterior(features, self.units)
+        self._build_posterior(features, self.units, is_head=kind == packing.DETERMINISTIC)
 
     def _affine_moments(self, mean, second, kind, full_output):
         """Moments of `h W + b` for inputs of any structure (`moments.linear_moments`)."""

@@ -64,13 +64,13 @@ class DenseMCVI(DenseBase):
                 "DenseMCVI expects data (batch, features) or samples (batch, samples, features) "
                 f"from another DenseMCVI layer; received shape {input_shape}."
             )
-        super().build((input_shape[0], input_shape[-1]))
+        self._build_posterior(int(input_shape[-1]), self.units, is_head=len(input_shape) == 2)
 
     def compute_output_shape(self, input_shape):
         samples = self.num_samples if len(input_shape) == 2 else input_shape[1]
         return (input_shape[0], samples, self.units)
 
-    def call(self, inputs):
+    def call(self, inputs, training=None):
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)
         self._check_features(int(inputs.shape[-1]))
@@ -81,7 +81,7 @@ class DenseMCVI(DenseBase):
         else:
             samples = inputs.shape[1]
             h = ops.transpose(inputs, (1, 0, 2))  # (samples, batch, in)
-        self._report_kl()
+        self._report_kl(training)
         if self.local_reparameterization:
             out = self._local_affine(h)
         else:

@@ -118,7 +118,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         self.units = _positive_int("units", units)
         self.activation = keras.activations.get(activation)
         self.num_inducing = _positive_int("num_inducing", num_inducing, allow_none=True)
-        self.num_train = None if num_train is None else priors._check_num_train(num_train)
+        self.num_train = None if num_train is None else validation.num_train(num_train)
         self.output_layer = bool(output_layer)
         self.prior = priors.get_weight_prior(prior)
         if precision not in ("shared", "per_unit"):
@@ -130,7 +130,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         if initial_log_precision is None:
             initial_log_precision = 0.0 if self.output_layer else -4.0
         self.initial_log_precision = float(initial_log_precision)
-        self.log_precision_scale = priors._check_positive("log_precision_scale", log_precision_scale)
+        self.log_precision_scale = validation.positive_number("log_precision_scale", log_precision_scale)
         self.inducing_initializer = keras.initializers.get(
             inducing_initializer or keras.initializers.RandomNormal(stddev=1.0)
         )
@@ -149,6 +149,13 @@ class GlobalInducingDense(ELBOReportingLayer):
         if not self.built and hasattr(inputs, "shape") and len(inputs.shape) == 3:
             self._inherit(self.upstream_layer(inputs))
         return super().__call__(inputs, *args, **kwargs)
+
+    @staticmethod
+    def upstream_layer(inputs):
+        """The layer that produced `inputs` (a symbolic tensor of a functional or `Sequential`
+        model), or `None`."""
+        history = getattr(inputs, "_keras_history", None)
+        return getattr(history, "operation", None) if history is not None else None
 
     def _inherit(self, upstream):
         """A later layer takes `num_inducing` and `num_train` from the layer feeding it."""
@@ -217,6 +224,7 @@ class GlobalInducingDense(ELBOReportingLayer):
             initializer=keras.initializers.Constant(self.initial_log_precision / self.log_precision_scale),
             autocast=False,
         )
+        self._build_kl_step(is_head=self._is_first)
 
     # ---------------------------------------------------------------- maths
 
@@ -257,7 +265,8 @@ class GlobalInducingDense(ELBOReportingLayer):
             *self._posterior_arguments(inducing_features), self.prior_precision, noise
         )
 
-    def call(self, inputs):
+    def call(self, inputs, training=None):
+        self._start_network()
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)
         m = self.num_inducing
@@ -276,7 +285,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         log_ratio = inducing.log_posterior_density(chol, noise) - inducing.log_prior_density(
             weights, self.prior_precision
         )
-        self._report_kl_value(ops.mean(log_ratio) / float(self.num_train))
+        self._report_kl_value(ops.mean(log_ratio) / float(self.num_train), training)
         out = self.activation(ops.einsum("snp,spu->snu", inducing.append_ones(h), weights))
         if self.output_layer:
             out = out[:, m:]

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_dvi import packing, priors
+from keras_dvi import packing, validation
 
 
 class LearnedLogVariance(keras.layers.Layer):
@@ -18,7 +18,7 @@ class LearnedLogVariance(keras.layers.Layer):
         kwargs.setdefault("autocast", False)  # keep float32 moments under mixed precision
         super().__init__(trainable=trainable, **kwargs)
         self.initial_log_variance = float(initial_log_variance)
-        self.log_variance_scale = priors._check_positive("log_variance_scale", log_variance_scale)
+        self.log_variance_scale = validation.positive_number("log_variance_scale", log_variance_scale)
 
     def _add_log_variance(self, features):
         self.scaled_log_variance = self.add_weight(

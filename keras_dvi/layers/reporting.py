@@ -1,60 +1,42 @@
 """`ELBOReportingLayer`: the base of every keras-dvi layer that adds a KL term to the model.
 
-The layers of one network share one `keras_dvi.tracking.ELBOTracker` (a layer reuses the
-tracker of the keras-dvi layer that feeds it, found through the Keras history of its input),
-so `fit` logs `nll` and `kl` once per network.
+It holds the layer's part of the objective's state (`keras_dvi.objective`): the counter of
+training calls `kl_step` that drives the KL warm-up, and, in the first keras-dvi layer of a
+network, the network's `ELBOTracker` metric.
 """
 
 import keras
 from keras import ops
 
-from keras_dvi import tracking
+from keras_dvi import objective
+
+#: Name of the step counter variable (saved with the model).
+KL_STEP = "kl_step"
 
 
 class _TrackerRef:
-    """A plain holder, invisible to Keras' attribute tracking."""
+    """A plain holder, invisible to Keras' attribute tracking: the tracker is exposed through
+    `metrics` (not saved with the weights, and creatable after the layer's state is locked)."""
 
     def __init__(self):
         self.tracker = None
-        self.head = False
 
 
 class ELBOReportingLayer(keras.layers.Layer):
-    """A Keras layer that reports its `KL / N` to the network's shared `ELBOTracker`."""
+    """A Keras layer that adds `w_t * KL / N` to the model's losses (see `keras_dvi.objective`).
+
+    Subclasses call `_build_kl_step(is_head)` in `build` (`is_head`: the input is deterministic
+    data, so this is the first keras-dvi layer of the network), `_start_network()` at the start
+    of `call`, and `_report_kl_value(kl, training)` with their `KL / N`.
+    """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        # Held outside Keras' state tracking (the tracker may belong to another layer, and is
-        # attached after `build` when a saved model is loaded); see the `metrics` property.
         self._tracker_ref = _TrackerRef()
-
-    def __call__(self, inputs, *args, **kwargs):
-        if self._tracker_ref.tracker is None:
-            self._attach_tracker(inputs)
-        return super().__call__(inputs, *args, **kwargs)
-
-    @staticmethod
-    def upstream_layer(inputs):
-        """The layer that produced `inputs` (a symbolic tensor), or `None`."""
-        first = inputs[0] if isinstance(inputs, (list, tuple)) and inputs else inputs
-        history = getattr(first, "_keras_history", None)
-        return getattr(history, "operation", None) if history is not None else None
-
-    def _attach_tracker(self, inputs):
-        """Shares the `ELBOTracker` of the keras-dvi layer feeding this one, or starts one.
-
-        Not under JAX: its trainer runs layers statelessly and would drop (or fail on) the
-        tracker's variable updates inside `call`; there the KL still enters the loss, but the
-        `nll` / `kl` log entries and `KLWarmup` are not available."""
-        if keras.backend.backend() == "jax":
-            return
-        tracker = getattr(self.upstream_layer(inputs), "elbo_tracker", None)
-        self._tracker_ref.head = tracker is None
-        self._tracker_ref.tracker = tracking.ELBOTracker() if tracker is None else tracker
 
     @property
     def elbo_tracker(self):
-        """The `ELBOTracker` metric this layer reports its KL to (`None` before a call)."""
+        """The network's `ELBOTracker` if this is its first keras-dvi layer, else `None`."""
         return self._tracker_ref.tracker
 
     @property
@@ -62,16 +44,49 @@ class ELBOReportingLayer(keras.layers.Layer):
         tracker = self._tracker_ref.tracker
         return super().metrics + ([tracker] if tracker is not None else [])
 
-    def _report_kl_value(self, kl):
-        """Adds `kl_weight * kl` to the model's losses and `kl` to the tracker (`kl`: the
-        layer's `KL / N`, or `None` for a layer without a prior)."""
-        tracker, head = self._tracker_ref.tracker, self._tracker_ref.head
+    # The schedule: subclasses say where `kl_weight` and `kl_warmup_steps` come from.
+    def _kl_schedule(self):
+        """`(kl_weight, kl_warmup_steps, kl_delay_steps)` of this layer."""
+        return 1.0, 0, 0
+
+    def _build_kl_step(self, is_head):
+        self.kl_step = self.add_weight(
+            name=KL_STEP, shape=(), initializer="zeros", trainable=False, autocast=False
+        )
+        if is_head and self._tracker_ref.tracker is None:
+            self._tracker_ref.tracker = objective.ELBOTracker()
+
+    def _start_network(self):
+        if self._tracker_ref.tracker is not None:
+            objective.start_step(self._tracker_ref.tracker)
+
+    def kl_weight_value(self, training=False):
+        """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;
+        while training, times the warm-up factor of the current `kl_step`."""
+        kl_weight, warmup, delay = self._kl_schedule()
+        if not training or not (warmup or delay):
+            return kl_weight
+        return kl_weight * objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup, delay)
+
+    def _report_kl_value(self, kl, training=False):
+        """Adds `w_t * kl` to the model's losses and hands `kl` (the layer's unweighted `KL / N`,
+        or `None` without a prior) to the step's loss; advances `kl_step` while training."""
         if kl is not None:
-            weight = 1.0 if tracker is None else ops.cast(tracker.kl_weight, kl.dtype)
+            weight = self.kl_weight_value(training)
+            if not isinstance(weight, float) or weight != 1.0:
+                weight = ops.cast(weight, kl.dtype)
             self.add_loss(weight * kl)
-            if tracker is not None:
-                tracker.add_kl(kl, new_step=head)
-        elif tracker is not None and head:
-            tracker.add_kl(0.0, new_step=True)
-        if tracker is not None and head:
-            tracking._activate(tracker)
+            objective.add_kl(kl)
+        if training and getattr(self, "kl_step", None) is not None:
+            self.kl_step.assign_add(ops.cast(1.0, self.kl_step.dtype))
+
+    def load_own_variables(self, store):
+        """Loads files saved before `kl_step` existed (keras-dvi 0.1.0.dev0): their variables are
+        the same but for the counter, which then starts at 0."""
+        variables = self.weights  # the order Keras saves them in (no sub-layers here)
+        if getattr(self, "kl_step", None) is not None and len(store.keys()) == len(variables) - 1:
+            others = [v for v in variables if v is not self.kl_step]
+            for i, variable in enumerate(others):
+                variable.assign(store[f"{i}"])
+            return
+        super().load_own_variables(store)

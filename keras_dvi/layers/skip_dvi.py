@@ -59,12 +59,12 @@ class SkipDVI(BayesianLayer):
         self.covariance_approximation = moments.canonical_method(covariance_approximation)
 
     def build(self, input_shape):
-        _, features = packing.structure_of_shape(input_shape)
+        kind, features = packing.structure_of_shape(input_shape)
         if features is None:
             raise ValueError(
                 f"The last dimension of the inputs to {type(self).__name__} must be defined."
             )
-        self._build_posterior(features, features)
+        self._build_posterior(features, features, is_head=kind == packing.DETERMINISTIC)
 
     def compute_output_shape(self, input_shape):
         kind, features = packing.structure_of_shape(input_shape)

@@ -1,0 +1,382 @@
+"""Classification benchmark after Ovadia et al. (2019), "Can you trust your model's uncertainty?",
+at a small scale: scikit-learn's digits.
+
+    python benchmarks/classification.py --jobs 2                  # every method, 5 splits
+    python benchmarks/classification.py --validation --methods dvi --kl-weight 0.1   # an ablation
+
+Protocol (fixed before any result was seen, the same for every method):
+
+* data: the 1,797 8x8 digits, pixels scaled to [0, 1]; 5 stratified 70/30 train/test splits
+  (`random_state = split`). `--validation` holds out 20% of the training rows (stratified) and
+  scores on them instead of the test split: ablations and recipe choices use that, never the
+  test rows.
+* network: 64-100-100-10 ReLU; Adam 3e-3, batches of 64, 100 epochs.
+* methods: `mlp` (plain Keras), `dropout` (MC dropout, p = 0.1 after each hidden layer, 50
+  samples at test time), `ensemble` (5 plain networks from different seeds, probabilities
+  averaged), and keras-dvi with its defaults: `dvi` (`DenseDiagDVI` body, `DenseDVI` head),
+  `ddvi` (diagonal throughout), `mcvi` (`DenseMCVI`, 10 samples per step, 100 at test time).
+  keras-dvi networks use `EmpiricalBayesRegularizer(num_train)` and `SoftmaxDeltaELL()` with
+  their default arguments unless `--kl-weight`, `--kl-warmup-steps` or `--loss-method` say
+  otherwise, and `keras_dvi.predictive.class_probabilities` with its default method unless
+  `--prob-method` does.
+* evaluation sets: the clean test set; rotations by 15, 30, 45 and 60 degrees
+  (`scipy.ndimage.rotate(reshape=False)`, clipped to [0, 1]); Gaussian pixel noise of sd 0.1,
+  0.2 and 0.4 (clipped); out of distribution: uniform-noise images against the clean test set,
+  and a second network of the same method trained on the digits 0-4 of the training rows,
+  detecting the test digits 5-9 among 0-9. OOD detection is scored by the AUROC of the
+  predictive entropy.
+* metrics: accuracy, NLL (mean negative log probability of the label), ECE (15 equal-width
+  bins of the top-class confidence), Brier score (sum over classes), AUROC, seconds per epoch.
+
+Results are cached per method (and recipe) and split as JSON in `--results`, so an interrupted
+run resumes; `--jobs 2` runs two at a time. Every run rewrites `summary.md` next to the cache
+from all cached results (mean and standard error over splits).
+"""
+
+import argparse
+import concurrent.futures
+import glob
+import json
+import math
+import multiprocessing
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+METHODS = ("mlp", "dropout", "ensemble", "dvi", "ddvi", "mcvi")
+KERAS_DVI_METHODS = ("dvi", "ddvi", "mcvi")
+ROTATIONS = (15, 30, 45, 60)
+NOISE_SDS = (0.1, 0.2, 0.4)
+HIDDEN = (100, 100)
+EPOCHS, BATCH, LEARNING_RATE = 100, 64, 3e-3
+ENSEMBLE_SIZE, DROPOUT_RATE, DROPOUT_SAMPLES, MCVI_TEST_SAMPLES = 5, 0.1, 50, 100
+
+
+def load_split(split, validation=False):
+    """`(x_train, y_train, x_eval, y_eval)`: the 70/30 split `split`, or with `validation` the
+    training rows split again 80/20 (evaluation on the 20%)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.3, stratify=y, random_state=split)
+    if validation:
+        x_train, x_test, y_train, y_test = train_test_split(
+            x_train, y_train, test_size=0.2, stratify=y_train, random_state=split)
+    return x_train, y_train.astype("int32"), x_test, y_test.astype("int32")
+
+
+def rotate(x, degrees):
+    from scipy import ndimage
+
+    images = ndimage.rotate(x.reshape(-1, 8, 8), degrees, axes=(1, 2), reshape=False)
+    return np.clip(images.reshape(-1, 64), 0.0, 1.0).astype("float32")
+
+
+def add_noise(x, sd, seed):
+    rng = np.random.default_rng(seed)
+    return np.clip(x + rng.normal(0.0, sd, x.shape), 0.0, 1.0).astype("float32")
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def scores(probs, labels):
+    """Accuracy, NLL, ECE (15 bins) and Brier score of `(n, C)` probabilities."""
+    probs = np.asarray(probs, dtype="float64")
+    n = len(labels)
+    true = probs[np.arange(n), labels]
+    confidence, correct = probs.max(1), probs.argmax(1) == labels
+    bins = np.minimum((confidence * 15).astype(int), 14)
+    ece = sum(abs(correct[bins == b].sum() - confidence[bins == b].sum()) for b in range(15)) / n
+    one_hot = np.eye(probs.shape[1])[labels]
+    return {"accuracy": float(correct.mean()), "nll": float(-np.mean(np.log(np.maximum(true, 1e-300)))),
+            "ece": float(ece), "brier": float(np.mean(np.sum((probs - one_hot) ** 2, axis=1)))}
+
+
+def entropy(probs):
+    probs = np.asarray(probs, dtype="float64")
+    return -np.sum(probs * np.log(np.maximum(probs, 1e-300)), axis=1)
+
+
+def auroc(in_probs, out_probs):
+    """AUROC of telling out-of-distribution inputs by a higher predictive entropy."""
+    from sklearn.metrics import roc_auc_score
+
+    values = np.concatenate([entropy(in_probs), entropy(out_probs)])
+    truth = np.concatenate([np.zeros(len(in_probs)), np.ones(len(out_probs))])
+    return float(roc_auc_score(truth, values))
+
+
+# ---------------------------------------------------------------- methods
+
+
+def keras_dvi_network(method, num_train, classes, args):
+    import keras
+
+    import keras_dvi as kd
+
+    prior_args = {}
+    if args.kl_weight is not None:
+        prior_args["kl_weight"] = args.kl_weight
+    if args.kl_warmup_steps is not None:
+        prior_args["kl_warmup_steps"] = args.kl_warmup_steps
+    prior = kd.EmpiricalBayesRegularizer(num_train, **prior_args)
+    layers = [keras.Input((64,))]
+    if method == "mcvi":
+        layers += [kd.DenseMCVI(w, "relu", regularizer=prior) for w in HIDDEN]
+        layers.append(kd.DenseMCVI(classes, regularizer=prior))
+        loss = kd.SampledSoftmaxELL()
+    else:
+        body = kd.DenseDiagDVI
+        head = kd.DenseDiagDVI if method == "ddvi" else kd.DenseDVI
+        layers += [body(w, "relu", regularizer=prior) for w in HIDDEN]
+        layers.append(head(classes, regularizer=prior))
+        loss = kd.SoftmaxDeltaELL() if args.loss_method is None else kd.SoftmaxDeltaELL(method=args.loss_method)
+    model = keras.Sequential(layers)
+    model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=loss)
+    return model
+
+
+def plain_network(classes, dropout=0.0):
+    import keras
+
+    layers = [keras.Input((64,))]
+    for width in HIDDEN:
+        layers.append(keras.layers.Dense(width, "relu"))
+        if dropout:
+            layers.append(keras.layers.Dropout(dropout))
+    layers.append(keras.layers.Dense(classes))
+    model = keras.Sequential(layers)
+    model.compile(keras.optimizers.Adam(LEARNING_RATE),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def train(method, x, y, classes, seed, args):
+    """Trains `method`; returns `(predict(x) -> probabilities, seconds)`."""
+    import keras
+
+    import keras_dvi as kd
+
+    keras.utils.set_random_seed(seed)
+    start = time.time()
+    if method in ("mlp", "dropout", "ensemble"):
+        members = ENSEMBLE_SIZE if method == "ensemble" else 1
+        models = []
+        for member in range(members):
+            keras.utils.set_random_seed(seed + 1000 * member)
+            model = plain_network(classes, DROPOUT_RATE if method == "dropout" else 0.0)
+            model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0)
+            models.append(model)
+        seconds = time.time() - start
+
+        def predict(inputs):
+            if method == "dropout":
+                logits = np.stack([keras.ops.convert_to_numpy(models[0](inputs, training=True))
+                                   for _ in range(DROPOUT_SAMPLES)])
+            else:
+                logits = np.stack([m.predict(inputs, verbose=0) for m in models])
+            return np.asarray(keras.ops.convert_to_numpy(keras.ops.softmax(logits, axis=-1))).mean(0)
+
+        return predict, seconds
+    model = keras_dvi_network(method, len(x), classes, args)
+    model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0)
+    seconds = time.time() - start
+
+    def predict_all(inputs):
+        """`{method: probabilities}`; `"default"` is what the recipe reports."""
+        if method == "mcvi":
+            samples = kd.predict_samples(model, inputs, MCVI_TEST_SAMPLES)
+            return {"default": np.asarray(kd.predictive.sample_class_probabilities(samples))}
+        out = model.predict(inputs, verbose=0)
+        probs = {m: np.asarray(kd.predictive.class_probabilities(out, method=m, seed=0))
+                 for m in kd.predictive.CLASS_PROBABILITY_METHODS}
+        probs["default"] = probs[args.prob_method] if args.prob_method else np.asarray(
+            kd.predictive.class_probabilities(out))
+        return probs
+
+    def predict(inputs):
+        return predict_all(inputs)["default"]
+
+    predict.all = predict_all
+    predict.model = model
+    return predict, seconds
+
+
+def run_one(method, split, args):
+    x, y, x_eval, y_eval = load_split(split, args.validation)
+    predict, seconds = train(method, x, y, 10, 1000 * split, args)
+    record = {"method": method, "split": split, "validation": args.validation,
+              "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / EPOCHS}
+    if hasattr(predict, "all"):  # keras-dvi moment networks: every probability method at once
+        return _run_moment_network(record, predict, x, y, x_eval, y_eval, split, method, args)
+    probs = predict(x_eval)
+    record["clean"] = scores(probs, y_eval)
+    if hasattr(predict, "model"):  # what training reached: the full objective on the training rows
+        model = predict.model
+        logs = model.evaluate(x, y, verbose=0, return_dict=True)
+        record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
+        record["config"] = {"prior": model.layers[0].regularizer.get_config(),
+                            "loss": model.loss.get_config(), "prob_method": args.prob_method or "default"}
+    for degrees in ROTATIONS:
+        record[f"rotate_{degrees}"] = scores(predict(rotate(x_eval, degrees)), y_eval)
+    for sd in NOISE_SDS:
+        record[f"noise_{sd}"] = scores(predict(add_noise(x_eval, sd, seed=split)), y_eval)
+    uniform = np.random.default_rng(split).uniform(0.0, 1.0, x_eval.shape).astype("float32")
+    record["auroc_uniform"] = auroc(probs, predict(uniform))
+    low = y < 5
+    predict_04, _ = train(method, x[low], y[low], 5, 1000 * split + 1, args)
+    probs_04 = predict_04(x_eval)
+    record["auroc_digits_5_9"] = auroc(probs_04[y_eval < 5], probs_04[y_eval >= 5])
+    return record
+
+
+def _eval_sets(x_eval, split):
+    sets = {"clean": x_eval}
+    sets.update({f"rotate_{d}": rotate(x_eval, d) for d in ROTATIONS})
+    sets.update({f"noise_{sd}": add_noise(x_eval, sd, seed=split) for sd in NOISE_SDS})
+    sets["uniform"] = np.random.default_rng(split).uniform(0.0, 1.0, x_eval.shape).astype("float32")
+    return sets
+
+
+def _run_moment_network(record, predict, x, y, x_eval, y_eval, split, method, args):
+    """`run_one` for DVI networks: the record of the default probabilities, and the same
+    scores for every method of `class_probabilities` under `record["by_prob_method"]`."""
+    model = predict.model
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
+    record["config"] = {"prior": model.layers[0].regularizer.get_config(), "loss": model.loss.get_config()}
+    by_set = {name: predict.all(inputs) for name, inputs in _eval_sets(x_eval, split).items()}
+    low = y < 5
+    predict_04, _ = train(method, x[low], y[low], 5, 1000 * split + 1, args)
+    probs_04 = predict_04.all(x_eval)
+    by_method = {}
+    for prob_method in by_set["clean"]:
+        r = {name: scores(probs[prob_method], y_eval) for name, probs in by_set.items() if name != "uniform"}
+        r["auroc_uniform"] = auroc(by_set["clean"][prob_method], by_set["uniform"][prob_method])
+        p04 = probs_04[prob_method]
+        r["auroc_digits_5_9"] = auroc(p04[y_eval < 5], p04[y_eval >= 5])
+        by_method[prob_method] = r
+    record.update(by_method.pop("default"))
+    record["by_prob_method"] = by_method
+    return record
+
+
+def recipe_label(method, args):
+    """The cache folder of a method: its name, plus the recipe arguments that differ from the
+    library defaults (keras-dvi methods only), plus `_validation`."""
+    parts = [method]
+    if method in KERAS_DVI_METHODS:
+        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method"):
+            value = getattr(args, name)
+            if value is not None:
+                parts.append(f"{name}={value}")
+    label = ",".join(parts)
+    return label + ("_validation" if args.validation else "")
+
+
+def _worker(task):
+    method, split, args, path = task
+    os.environ["TF_NUM_INTEROP_THREADS"] = "1"
+    os.environ["TF_NUM_INTRAOP_THREADS"] = "1"
+    record = run_one(method, split, args)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+    return record
+
+
+# ---------------------------------------------------------------- summary
+
+COLUMNS = [("clean", "accuracy"), ("clean", "nll"), ("clean", "ece"), ("clean", "brier")] + \
+    [(f"rotate_{d}", "nll") for d in ROTATIONS] + [(f"noise_{s}", "nll") for s in NOISE_SDS] + \
+    [("auroc_uniform", None), ("auroc_digits_5_9", None), ("seconds_per_epoch", None)]
+
+
+def _value(record, key, metric):
+    return record[key] if metric is None else record[key][metric]
+
+
+def summary_markdown(records):
+    """One row per recipe: mean ± standard error over splits of every column. DVI recipes also
+    get a row per method of `class_probabilities` (`[probs=...]`) from the same networks."""
+    groups = {}
+    for r in records:
+        groups.setdefault(r["recipe"], []).append(r)
+        for prob_method, scored in r.get("by_prob_method", {}).items():
+            groups.setdefault(f"{r['recipe']} [probs={prob_method}]", []).append(
+                dict(scored, seconds_per_epoch=r["seconds_per_epoch"]))
+    heads = [f"{k} {m}" if m else k for k, m in COLUMNS]
+    lines = ["| recipe | splits | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(COLUMNS)]
+    for recipe in sorted(groups):
+        rows = groups[recipe]
+        cells = []
+        for key, metric in COLUMNS:
+            values = np.array([_value(r, key, metric) for r in rows])
+            se = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+            digits = 1 if key == "seconds_per_epoch" else 3
+            cells.append(f"{values.mean():.{digits}f} ± {se:.{digits}f}")
+        lines.append(f"| {recipe} | {len(rows)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def make_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--splits", type=int, nargs="+", default=list(range(5)))
+    parser.add_argument("--validation", action="store_true",
+                        help="score on 20%% of the training rows, not the test split (ablations)")
+    parser.add_argument("--results", default="benchmarks/results/classification", help="cache folder")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--kl-weight", type=float, default=None, help="keras-dvi methods (default: the prior's)")
+    parser.add_argument("--kl-warmup-steps", type=int, default=None, help="keras-dvi methods (default: the prior's)")
+    parser.add_argument("--loss-method", default=None, help="SoftmaxDeltaELL method (default: the loss's)")
+    parser.add_argument("--prob-method", default=None, help="class_probabilities method (default: its default)")
+    parser.add_argument("--summary-only", action="store_true")
+    return parser
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    tasks = []
+    for method in args.methods:
+        for split in args.splits:
+            path = os.path.join(args.results, recipe_label(method, args), f"split_{split}.json")
+            if not os.path.exists(path) and not args.summary_only:
+                tasks.append((method, split, args, path))
+    print(f"{len(tasks)} to run", flush=True)
+    if args.jobs > 1 and len(tasks) > 1:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+            for record in pool.map(_worker, tasks):
+                print(_line(record), flush=True)
+    else:
+        for task in tasks:
+            print(_line(_worker(task)), flush=True)
+    records = []
+    for path in sorted(glob.glob(os.path.join(args.results, "*", "split_*.json"))):
+        with open(path) as f:
+            records.append(json.load(f))
+    if records:
+        text = summary_markdown(records)
+        with open(os.path.join(args.results, "summary.md"), "w") as f:
+            f.write(text + "\n")
+        print(text)
+    return records
+
+
+def _line(r):
+    c = r["clean"]
+    return (f"{r['recipe']} split {r['split']}: acc {c['accuracy']:.3f} nll {c['nll']:.3f} ece {c['ece']:.3f} "
+            f"rot30 nll {r['rotate_30']['nll']:.2f} auroc {r['auroc_uniform']:.3f}/{r['auroc_digits_5_9']:.3f} "
+            f"{r['seconds_per_epoch']:.2f} s/epoch")
+
+
+if __name__ == "__main__":
+    main()

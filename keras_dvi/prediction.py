@@ -1,0 +1,108 @@
+"""`keras_dvi.predict`: what a trained model predicts, as NumPy arrays users can read."""
+
+import math
+
+import numpy as np
+
+from keras_dvi import losses, network, predictive
+
+REGRESSION, CLASSIFICATION = "regression", "classification"
+_TASK_OF_LOSS = {
+    losses.HeteroscedasticELL: REGRESSION,
+    losses.SampledGaussianELL: REGRESSION,
+    losses.SoftmaxDeltaELL: CLASSIFICATION,
+    losses.SampledSoftmaxELL: CLASSIFICATION,
+}
+
+
+def _task(model, task):
+    if task is not None:
+        if task not in (REGRESSION, CLASSIFICATION):
+            raise ValueError(f"Argument `task` must be 'regression' or 'classification'; received {task!r}.")
+        return task
+    loss = getattr(model, "loss", None)
+    for cls, name in _TASK_OF_LOSS.items():
+        if isinstance(loss, cls):
+            return name
+    raise ValueError(
+        "keras_dvi.predict could not tell the task from the model's loss "
+        f"({type(loss).__name__ if loss is not None else 'not compiled'}): pass "
+        "`task='regression'` or `task='classification'`."
+    )
+
+
+def _is_sampled(model):
+    return any(hasattr(layer, "num_samples") and hasattr(layer, "seed_generator") for layer in network.layers_of(model))
+
+
+def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, probability_method="mean"):
+    """Predictions of a keras-dvi model, as a dict of NumPy arrays.
+
+    Regression (a `HeteroscedasticELL` / `SampledGaussianELL` model, in the targets' own units
+    when it ends in `TargetScaling`), each `(n, D)`:
+
+    * `mean`, `std` and `variance` of the predictive distribution (eq. 9),
+    * `epistemic` and `aleatoric`: the two parts of `variance` (weight uncertainty; noise),
+    * `lower`, `upper`: the central interval of probability `level` (Gaussian predictive;
+      for sampled models, a Gaussian with the mixture's mean and variance).
+
+    Classification (`SoftmaxDeltaELL` / `SampledSoftmaxELL`):
+
+    * `probabilities` `(n, C)` (`keras_dvi.predictive.class_probabilities` with
+      `probability_method`; sampled models: the mean softmax of the samples), `label` `(n,)` the most
+      probable class, `entropy` `(n,)` the predictive entropy in nats (high: uncertain or
+      out of distribution).
+
+    Args:
+        model: a trained keras-dvi model.
+        x: inputs (anything `model.predict` takes).
+        task: `"regression"` or `"classification"`; `None` reads it from the compiled loss.
+        level: probability of the interval (regression).
+        num_samples: weight samples per input for models with a sample axis (`DenseMCVI`,
+            `GlobalInducingDense`).
+        batch_size: as in `model.predict`.
+        probability_method: method of `keras_dvi.predictive.class_probabilities` for DVI
+            classifiers: `"mean"` (default, calibrated in distribution) or `"probit"` (for
+            inputs that may be shifted or out of distribution; BENCHMARKS.md).
+
+    Returns:
+        A dict of NumPy arrays, as above.
+
+    Example:
+
+    >>> out = keras_dvi.predict(model, x_test)
+    >>> out["mean"], out["std"], out["lower"], out["upper"]
+    """
+    from keras_dvi.global_inducing import predict_samples
+
+    task = _task(model, task)
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"Argument `level` must be in (0, 1); received level={level!r}.")
+    sampled = _is_sampled(model)
+    if sampled:
+        y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
+    else:
+        y_pred = model.predict(x, batch_size=batch_size, verbose=0)
+    as_numpy = lambda value: np.asarray(value)  # noqa: E731
+    if task == CLASSIFICATION:
+        if sampled:
+            probs = as_numpy(predictive.sample_class_probabilities(y_pred))
+        else:
+            probs = as_numpy(predictive.class_probabilities(y_pred, method=probability_method))
+        entropy = -np.sum(probs * np.log(probs), axis=-1)
+        return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
+    if sampled:
+        parts = predictive.sample_regression_moments(y_pred)
+    else:
+        parts = predictive.regression_moments(y_pred)
+    out = {name: as_numpy(value) for name, value in parts.items()}
+    out["std"] = np.sqrt(out["variance"])
+    half = math.sqrt(2.0) * _erfinv(level) * out["std"]
+    out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
+    return out
+
+
+def _erfinv(value):
+    from keras import ops
+
+    return float(ops.convert_to_numpy(ops.erfinv(ops.convert_to_tensor(value, "float64"))))

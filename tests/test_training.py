@@ -1,0 +1,204 @@
+"""Training with the library's defaults: the KL weight and warm-up, the `nll` / `kl` logs for
+every kind of model, and no collapse to the prior. Runs on TensorFlow and (test_backends) JAX."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dvi as kd
+from tests.conftest import to_numpy
+from tests.test_objective import _numpy_eb_kl, _numpy_nll
+
+
+def _data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 2)).astype("float32"), rng.normal(size=(n,)).astype("float32")
+
+
+def _layers(prior):
+    return [kd.DenseDiagDVI(8, "relu", regularizer=prior), kd.DenseDVI(8, "relu", regularizer=prior),
+            kd.DenseDVI(2, regularizer=prior)]
+
+
+class SubclassedNetwork(keras.Model):
+    def __init__(self, prior):
+        super().__init__()
+        self.first, self.second, self.head = _layers(prior)
+
+    def call(self, inputs, training=None):
+        return self.head(self.second(self.first(inputs, training=training), training=training), training=training)
+
+
+def _model(kind, prior):
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((2,))] + _layers(prior))
+    if kind == "functional":
+        inputs = keras.Input((2,))
+        outputs = inputs
+        for layer in _layers(prior):
+            outputs = layer(outputs)
+        return keras.Model(inputs, outputs)
+    model = SubclassedNetwork(prior)
+    model(np.zeros((1, 2), "float32"))
+    return model
+
+
+def _frozen_fit(model, x, y, epochs, **fit_args):
+    """`fit` with SGD at learning rate 0: the weights, so the nll and KL, stay as they are."""
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
+    return model.fit(x, y, batch_size=len(x), epochs=epochs, shuffle=False, verbose=0, **fit_args).history
+
+
+def _parts(model, x, y, num_train):
+    nll = _numpy_nll(model.predict(x, verbose=0), y).mean()
+    kl = sum(_numpy_eb_kl(layer) for layer in model.layers if isinstance(layer, kd.layers.BayesianLayer))
+    return nll, kl / num_train
+
+
+def test_kl_warmup_ramps_by_training_step_and_evaluation_uses_the_full_weight():
+    x, y = _data()
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=4))
+    history = _frozen_fit(model, x, y, epochs=6, validation_data=(x, y))
+    nll, kl = _parts(model, x, y, 64)
+    ramp = np.array([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(history["loss"], nll + ramp * kl, rtol=1e-5)
+    np.testing.assert_allclose(history["nll"], nll, rtol=1e-5)
+    np.testing.assert_allclose(history["kl"], kl, rtol=1e-5)  # logged without the weight
+    # `val_loss` (the default monitor of EarlyStopping and ModelCheckpoint) is the full
+    # objective at every epoch, not fooled by the warm-up.
+    np.testing.assert_allclose(history["val_loss"], nll + kl, rtol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0, return_dict=True)["loss"], nll + kl, rtol=1e-5)
+    assert [float(to_numpy(layer.kl_step)) for layer in model.layers] == [6.0] * 3
+
+
+def test_kl_weight_tempers_the_kl_term():
+    x, y = _data(seed=1)
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64, kl_weight=0.25, kl_warmup_steps=0))
+    history = _frozen_fit(model, x, y, epochs=2)
+    nll, kl = _parts(model, x, y, 64)
+    np.testing.assert_allclose(history["loss"], nll + 0.25 * kl, rtol=1e-5)
+    np.testing.assert_allclose(history["kl"], kl, rtol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0, return_dict=True)["loss"], nll + 0.25 * kl, rtol=1e-5)
+
+
+def test_every_kind_of_model_logs_the_whole_objective_once():
+    x, y = _data(seed=2)
+    logs = {}
+    for kind in ("sequential", "functional", "subclassed"):
+        keras.utils.set_random_seed(5)  # the same initial weights for the three
+        model = _model(kind, kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=2))
+        history = _frozen_fit(model, x, y, epochs=3)
+        assert [m.name for m in model.metrics].count("elbo") == 1
+        nll, kl = _parts(model, x, y, 64)
+        np.testing.assert_allclose(history["kl"], kl, rtol=1e-5)  # every layer's KL
+        np.testing.assert_allclose(history["loss"], nll + np.array([0.5, 1.0, 1.0]) * kl, rtol=1e-5)
+        logs[kind] = history
+    for kind in ("functional", "subclassed"):
+        for key in ("loss", "nll", "kl"):
+            np.testing.assert_allclose(logs[kind][key], logs["sequential"][key], rtol=1e-5)
+
+
+def test_the_schedule_resumes_after_saving(tmp_path):
+    x, y = _data(seed=3)
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=10, kl_weight=0.5))
+    _frozen_fit(model, x, y, epochs=3)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert [float(to_numpy(layer.kl_step)) for layer in loaded.layers] == [3.0] * 3
+    assert loaded.layers[0].regularizer.kl_weight == 0.5
+    assert loaded.layers[0].regularizer.kl_warmup_steps == 10
+    assert float(to_numpy(loaded.layers[1].kl_weight_value(training=True))) == pytest.approx(0.5 * 4 / 10)
+
+
+def test_deprecated_kl_warmup_callback_still_sets_the_schedule():
+    x, y = _data(seed=4)
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
+    with pytest.warns(DeprecationWarning, match="kl_warmup_steps"):
+        warmup = kd.KLWarmup(delay_steps=2, warmup_steps=4)
+    assert [warmup.weight(s) for s in range(7)] == [0, 0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    history = _frozen_fit(model, x, y, epochs=6, callbacks=[warmup])
+    nll, kl = _parts(model, x, y, 64)
+    np.testing.assert_allclose(history["loss"], nll + np.array([0, 0, 0.25, 0.5, 0.75, 1.0]) * kl, rtol=1e-5)
+    with pytest.raises(ValueError, match="delay_steps"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            kd.KLWarmup(delay_steps=-1)
+
+
+def test_prior_schedule_arguments_are_checked():
+    with pytest.raises(ValueError, match="kl_weight"):
+        kd.EmpiricalBayesRegularizer(10, kl_weight=0.0)
+    with pytest.raises(ValueError, match="kl_warmup_steps"):
+        kd.GaussianPriorRegularizer(10, kl_warmup_steps=-5)
+    with pytest.raises(ValueError, match="kl_warmup_steps"):
+        kd.EmpiricalBayesRegularizer(10, kl_warmup_steps=2.5)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    rng = np.random.default_rng(0)
+    rows = rng.permutation(len(x))
+    x, y = (x[rows] / 16.0).astype("float32"), y[rows].astype("int32")
+    return (x[:500], y[:500]), (x[1000:], y[1000:])
+
+
+def _digits_classifier(num_train, **prior_args):
+    prior = kd.EmpiricalBayesRegularizer(num_train, **prior_args)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        kd.DenseDiagDVI(100, "relu", regularizer=prior),
+        kd.DenseDiagDVI(100, "relu", regularizer=prior),
+        kd.DenseDVI(10, regularizer=prior),
+    ])
+    model.compile(keras.optimizers.Adam(3e-3), loss=kd.SoftmaxDeltaELL())
+    return model
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("warmup, collapses", [(None, False), (0, True)])
+def test_a_classifier_with_the_defaults_does_not_collapse_to_the_prior(warmup, collapses):
+    """The README's few lines on 500 digits, 1,200 steps (past the 1,000-step warm-up). Without the default KL warm-up (the
+    second case) the KL's gradient wins at the start and the network predicts chance."""
+    (x, y), (x_test, y_test) = _digits()
+    model = _digits_classifier(len(x), **({} if warmup is None else {"kl_warmup_steps": warmup}))
+    model.fit(x, y, epochs=120, batch_size=50, verbose=0)
+    probs = to_numpy(kd.predictive.class_probabilities(model.predict(x_test, verbose=0)))
+    accuracy = (probs.argmax(-1) == y_test).mean()
+    if collapses:
+        assert accuracy < 0.3
+    else:
+        assert accuracy > 0.85
+
+
+def test_training_without_a_prior_warns_once_per_layer():
+    x, y = _data(seed=6)
+    model = keras.Sequential([keras.Input((2,)), kd.DenseDVI(4, "relu"),
+                              kd.DenseDVI(2, regularizer=kd.EmpiricalBayesRegularizer(64))])
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+    with pytest.warns(UserWarning, match="trained without a prior") as record:
+        model.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    assert len([w for w in record if "without a prior" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # predicting is a legitimate use: no warning
+        model.predict(x, verbose=0)
+
+
+def test_class_labels_out_of_range_are_refused():
+    """Labels 1..3 for 3 logits once trained silently (loss 8.49)."""
+    x, _ = _data(seed=7)
+    labels = (np.arange(64) % 3 + 1).astype("int32")
+    prior = kd.EmpiricalBayesRegularizer(64)
+    model = keras.Sequential([keras.Input((2,)), kd.DenseDVI(4, "relu", regularizer=prior), kd.DenseDVI(3, regularizer=prior)])
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SoftmaxDeltaELL())
+    with pytest.raises(ValueError, match=r"outside 0\.\.2"):
+        kd.SoftmaxDeltaELL()(labels, model(x))
+    if keras.backend.backend() == "tensorflow":
+        with pytest.raises(Exception, match=r"outside 0\.\.2"):
+            model.fit(x, labels, epochs=1, verbose=0)
+    else:  # no assertions inside a compiled JAX step: the loss is NaN, not silently wrong
+        assert np.isnan(model.fit(x, labels, epochs=1, verbose=0).history["loss"][0])
+    assert np.isfinite(model.fit(x, labels - 1, epochs=1, verbose=0).history["loss"][0])
