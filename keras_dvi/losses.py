@@ -83,6 +83,7 @@ class HeteroscedasticELL(_ValidatingLoss):
             cross = ops.diagonal(second[:, :dims, dims:], axis1=-2, axis2=-1)
         else:
             variance, cross = second, ops.zeros_like(mean[:, :dims])
+        mean = validation.check_packed_variances(mean, variance, "HeteroscedasticELL")
         m, log_var = mean[:, :dims], mean[:, dims:]
         s_mm, s_ll = variance[:, :dims], variance[:, dims:]
         precision = moments.safe_exp(0.5 * s_ll - log_var)
@@ -139,6 +140,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         labels = validation.check_finite(validation.class_labels(y_true, classes, mean.dtype), "y_true", self.validate)
         mean = validation.check_finite(mean, "y_pred", self.validate)
         variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
+        mean = validation.check_packed_variances(mean, variance, "SoftmaxDeltaELL")
         if self.method == "jankowiak":
             log_norm = ops.logsumexp(mean + ops.log1p(0.5 * variance), axis=-1, keepdims=True)
             ell = mean - log_norm

@@ -64,7 +64,9 @@ def check_moments(mean, second, kind, name="inputs", validate=False):
         if (variances < 0).any():
             _fail(
                 f"Argument `{name}` has negative variances (min {variances.min():.3g}); "
-                "expected variances >= 0."
+                "expected variances >= 0. If it is a keras-dvi layer's output, a plain Keras "
+                "layer (Dense, BatchNormalization, Dropout, Flatten, ...) sits between keras-dvi "
+                "layers or after the last one and mixed its mean and covariance rows as numbers."
             )
         if value.ndim == 3:
             scale = max(float(np.abs(value).max()), 1e-30)
@@ -188,3 +190,41 @@ def _check_label_range(indices, classes):
 def poison_unlabelled(nll, labels):
     """NaN where a label row sums to 0 (an out-of-range integer label under JAX), else `nll`."""
     return ops.where(ops.sum(labels, axis=-1) > 0, nll, ops.full_like(nll, float("nan")))
+
+
+# ---------------------------------------------------------------- the packed contract
+
+#: How negative a packed variance may be (relative to `1 + mean^2`) before the tensor is taken
+#: for something that is not a keras-dvi Gaussian (float round-off stays far inside it).
+NEGATIVE_VARIANCE_TOLERANCE = 1e-3
+
+
+def check_packed_variances(mean, variance, where):
+    """Refuses a packed tensor whose variances are clearly negative, in every mode.
+
+    A plain Keras layer between keras-dvi layers (or after the last one) treats the packed
+    `(mean, covariance)` rows as numbers and makes the "variances" negative. Eager values raise
+    `ValueError`; in TensorFlow graphs an assertion raises with the same message; where
+    assertions are unavailable (JAX, XLA) the mean becomes NaN, so the loss is NaN rather than
+    silently wrong. `where` names the layer or loss. Returns `mean`.
+    """
+    message = (
+        f"{where} received a packed keras-dvi tensor whose variances are negative, so it is not "
+        "the output of a keras-dvi layer: a plain Keras layer (Dense, BatchNormalization, "
+        "Dropout, Flatten, ...) sits between keras-dvi layers or after the last one and mixed "
+        "the mean and covariance rows as numbers. Put plain Keras layers before the first "
+        "keras-dvi layer only, and read predictions with keras_dvi.predict or keras_dvi.unpack"
+    )
+    bound = -NEGATIVE_VARIANCE_TOLERANCE * (1.0 + ops.square(mean))
+    value, bound_value = _concrete(variance), _concrete(bound)
+    if value is not None and bound_value is not None:
+        if (value < bound_value).any():
+            _fail(message + f" (smallest variance {value.min():.3g}).")
+        return mean
+    ok = ops.all(variance >= bound)
+    if keras.backend.backend() == "tensorflow" and not isinstance(variance, keras.KerasTensor):
+        import tensorflow as tf
+
+        with tf.control_dependencies([tf.debugging.Assert(ok, [message])]):
+            mean = tf.identity(mean)
+    return ops.where(ok, mean, ops.full_like(mean, float("nan")))

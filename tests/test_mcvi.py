@@ -94,3 +94,19 @@ def test_config_and_errors():
         kd.DenseMCVI(0)
     with pytest.raises(ValueError, match="inputs"):
         kd.DenseMCVI(2)(np.array([[np.inf, 0.0]], dtype="float32"))
+
+
+def test_predict_summarises_a_sampled_model():
+    """`keras_dvi.predict` on an MCVI regression network: Monte Carlo moments of its samples."""
+    rng = np.random.default_rng(31)
+    x = rng.normal(size=(30, 2)).astype("float32")
+    y = (3.0 * x[:, 0]).astype("float32")
+    prior = kd.EmpiricalBayesRegularizer(30)
+    model = keras.Sequential([keras.Input((2,)), kd.DenseMCVI(8, "relu", num_samples=4, regularizer=prior, seed=1),
+                              kd.DenseMCVI(2, regularizer=prior, seed=2)])
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL())
+    model.fit(x, y, epochs=2, verbose=0)
+    out = kd.predict(model, x, num_samples=2000)
+    assert out["mean"].shape == (30, 1) and np.isfinite(out["std"]).all()
+    np.testing.assert_allclose(out["variance"], out["epistemic"] + out["aleatoric"], rtol=1e-5)
+    assert (out["epistemic"] > 0).all() and (out["lower"] < out["mean"]).all()

@@ -202,3 +202,26 @@ def test_class_labels_out_of_range_are_refused():
     else:  # no assertions inside a compiled JAX step: the loss is NaN, not silently wrong
         assert np.isnan(model.fit(x, labels, epochs=1, verbose=0).history["loss"][0])
     assert np.isfinite(model.fit(x, labels - 1, epochs=1, verbose=0).history["loss"][0])
+
+
+@pytest.mark.parametrize("where", ["dense_between", "batch_norm_between", "dense_head"])
+def test_plain_keras_layers_after_a_keras_dvi_layer_are_refused(where):
+    """A plain layer mixes the packed mean and covariance rows as numbers; the next keras-dvi
+    layer or loss sees negative "variances" (-0.07, -0.12 in the issue that found this)."""
+    x, y = _data(seed=8)
+    prior = kd.EmpiricalBayesRegularizer(64)
+    layers = [keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior)]
+    if where == "dense_head":
+        layers += [kd.DenseDVI(1, regularizer=prior), keras.layers.Dense(2)]
+    else:
+        plain = keras.layers.Dense(8) if where == "dense_between" else keras.layers.BatchNormalization()
+        layers += [plain, kd.DenseDVI(2, regularizer=prior)]
+    model = keras.Sequential(layers)
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+    with pytest.raises(ValueError, match="sits between keras-dvi layers"):
+        kd.HeteroscedasticELL()(y, model(x)) if where == "dense_head" else model(x, training=True)
+    if keras.backend.backend() == "tensorflow":
+        with pytest.raises(Exception, match="sits between keras-dvi layers or after the last one"):
+            model.fit(x, y, epochs=1, verbose=0)
+    else:  # no assertions inside a compiled JAX step: NaN, not a silently wrong model
+        assert np.isnan(model.fit(x, y, epochs=1, verbose=0).history["loss"][0])

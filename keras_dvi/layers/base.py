@@ -254,6 +254,9 @@ class BayesianLayer(ELBOReportingLayer):
         second = None if second is None else ops.cast(second, self.moment_dtype)
         self._check_features(int(mean.shape[-1]) if mean.shape[-1] is not None else None)
         mean, second = validation.check_moments(mean, second, kind, "inputs", self.validate)
+        if second is not None:
+            variance = ops.diagonal(second, axis1=-2, axis2=-1) if kind == packing.FULL else second
+            mean = validation.check_packed_variances(mean, variance, f"{type(self).__name__} {self.name!r}")
         self._report_kl(training)
         mean, second = self._moments(mean, second, kind)
         return packing.pack(mean, second)
