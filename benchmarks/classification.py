@@ -196,6 +196,7 @@ def train(method, x, y, classes, seed, args):
                 logits = np.stack([m.predict(inputs, verbose=0) for m in models])
             return np.asarray(keras.ops.convert_to_numpy(keras.ops.softmax(logits, axis=-1))).mean(0)
 
+        predict.all = lambda inputs: {"default": predict(inputs)}
         return predict, seconds
     model = keras_dvi_network(method, len(x), classes, args, x.shape[1])
     model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0)
@@ -222,39 +223,36 @@ def train(method, x, y, classes, seed, args):
 
 
 def run_one(method, split, args):
+    """Trains `method` on split `split` and scores it on every evaluation set. For DVI networks
+    each method of `class_probabilities` is scored on the same networks (`by_prob_method`)."""
+    digits = args.dataset == "digits"
     x, y, x_eval, y_eval = load_split(split, args.validation, args.dataset)
-    classes = int(y.max()) + 1
-    predict, seconds = train(method, x, y, classes, 1000 * split, args)
+    predict, seconds = train(method, x, y, int(y.max()) + 1, 1000 * split, args)
     record = {"method": method, "split": split, "validation": args.validation, "dataset": args.dataset,
               "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / EPOCHS}
-    if args.dataset != "digits":  # tabular: clean scores only (no images to rotate, no 0-4 split)
-        if hasattr(predict, "all"):
-            by_method = {m: scores(p, y_eval) for m, p in predict.all(x_eval).items()}
-            record["clean"] = by_method.pop("default")
-            record["by_prob_method"] = {m: {"clean": v} for m, v in by_method.items()}
-        else:
-            record["clean"] = scores(predict(x_eval), y_eval)
-        return record
-    if hasattr(predict, "all"):  # keras-dvi moment networks: every probability method at once
-        return _run_moment_network(record, predict, x, y, x_eval, y_eval, split, method, args)
-    probs = predict(x_eval)
-    record["clean"] = scores(probs, y_eval)
-    if hasattr(predict, "model"):  # what training reached: the full objective on the training rows
+    if hasattr(predict, "model"):  # keras-dvi: what training reached, with the full KL weight
         model = predict.model
         logs = model.evaluate(x, y, verbose=0, return_dict=True)
         record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
-        record["config"] = {"prior": model.layers[0].regularizer.get_config(),
-                            "loss": model.loss.get_config(), "prob_method": args.prob_method or "default"}
-    for degrees in ROTATIONS:
-        record[f"rotate_{degrees}"] = scores(predict(rotate(x_eval, degrees)), y_eval)
-    for sd in NOISE_SDS:
-        record[f"noise_{sd}"] = scores(predict(add_noise(x_eval, sd, seed=split)), y_eval)
-    uniform = np.random.default_rng(split).uniform(0.0, 1.0, x_eval.shape).astype("float32")
-    record["auroc_uniform"] = auroc(probs, predict(uniform))
-    low = y < 5
-    predict_04, _ = train(method, x[low], y[low], 5, 1000 * split + 1, args)
-    probs_04 = predict_04(x_eval)
-    record["auroc_digits_5_9"] = auroc(probs_04[y_eval < 5], probs_04[y_eval >= 5])
+        record["config"] = {"prior": model.layers[0].regularizer.get_config(), "loss": model.loss.get_config()}
+    # Tabular data: clean scores only (no images to rotate, no 0-4 split).
+    sets = _eval_sets(x_eval, split) if digits else {"clean": x_eval}
+    by_set = {name: predict.all(inputs) for name, inputs in sets.items()}
+    if digits:
+        low = y < 5
+        predict_04, _ = train(method, x[low], y[low], 5, 1000 * split + 1, args)
+        probs_04 = predict_04.all(x_eval)
+    by_method = {}
+    for prob_method in by_set["clean"]:
+        r = {name: scores(probs[prob_method], y_eval) for name, probs in by_set.items() if name != "uniform"}
+        if digits:
+            r["auroc_uniform"] = auroc(by_set["clean"][prob_method], by_set["uniform"][prob_method])
+            p04 = probs_04[prob_method]
+            r["auroc_digits_5_9"] = auroc(p04[y_eval < 5], p04[y_eval >= 5])
+        by_method[prob_method] = r
+    record.update(by_method.pop("default"))
+    if by_method:
+        record["by_prob_method"] = by_method
     return record
 
 
@@ -264,29 +262,6 @@ def _eval_sets(x_eval, split):
     sets.update({f"noise_{sd}": add_noise(x_eval, sd, seed=split) for sd in NOISE_SDS})
     sets["uniform"] = np.random.default_rng(split).uniform(0.0, 1.0, x_eval.shape).astype("float32")
     return sets
-
-
-def _run_moment_network(record, predict, x, y, x_eval, y_eval, split, method, args):
-    """`run_one` for DVI networks: the record of the default probabilities, and the same
-    scores for every method of `class_probabilities` under `record["by_prob_method"]`."""
-    model = predict.model
-    logs = model.evaluate(x, y, verbose=0, return_dict=True)
-    record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
-    record["config"] = {"prior": model.layers[0].regularizer.get_config(), "loss": model.loss.get_config()}
-    by_set = {name: predict.all(inputs) for name, inputs in _eval_sets(x_eval, split).items()}
-    low = y < 5
-    predict_04, _ = train(method, x[low], y[low], 5, 1000 * split + 1, args)
-    probs_04 = predict_04.all(x_eval)
-    by_method = {}
-    for prob_method in by_set["clean"]:
-        r = {name: scores(probs[prob_method], y_eval) for name, probs in by_set.items() if name != "uniform"}
-        r["auroc_uniform"] = auroc(by_set["clean"][prob_method], by_set["uniform"][prob_method])
-        p04 = probs_04[prob_method]
-        r["auroc_digits_5_9"] = auroc(p04[y_eval < 5], p04[y_eval >= 5])
-        by_method[prob_method] = r
-    record.update(by_method.pop("default"))
-    record["by_prob_method"] = by_method
-    return record
 
 
 def recipe_label(method, args):

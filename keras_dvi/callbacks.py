@@ -4,7 +4,7 @@ import warnings
 
 import keras
 
-from keras_dvi import network
+from keras_dvi import network, objective
 from keras_dvi.layers.base import BayesianLayer
 
 
@@ -40,11 +40,8 @@ class KLWarmup(keras.callbacks.Callback):
 
     def weight(self, step):
         """The KL warm-up factor at optimizer step `step` (0-based)."""
-        if step < self.delay_steps:
-            return 0.0
-        if self.warmup_steps == 0:
-            return 1.0
-        return min(1.0, (step - self.delay_steps + 1) / self.warmup_steps)
+        ramp = objective.kl_ramp(float(step), self.warmup_steps, self.delay_steps)
+        return float(keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(ramp)))
 
     def on_train_begin(self, logs=None):
         layers = [layer for layer in network.layers_of(self.model) if isinstance(layer, BayesianLayer)]

@@ -37,8 +37,11 @@ def kl_ramp(step, warmup_steps, delay_steps=0):
     """Warm-up factor of the KL at training step `step` (0-based): 0 for `delay_steps` steps, then
     `min(1, (step - delay_steps + 1) / warmup_steps)` (1 without a warm-up). Works on Python
     numbers and tensors."""
+    if not warmup_steps and not delay_steps:
+        return 1.0
+    step = ops.cast(step, "float32")
     if not warmup_steps:
-        return 1.0 if not delay_steps else ops.cast(step >= delay_steps, "float32")
+        return ops.cast(step >= delay_steps, "float32")
     return ops.clip((step - delay_steps + 1.0) / float(warmup_steps), 0.0, 1.0)
 
 

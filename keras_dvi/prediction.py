@@ -1,7 +1,5 @@
 """`keras_dvi.predict`: what a trained model predicts, as NumPy arrays users can read."""
 
-import math
-
 import numpy as np
 
 from keras_dvi import losses, network, predictive
@@ -97,12 +95,7 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         parts = predictive.regression_moments(y_pred)
     out = {name: as_numpy(value) for name, value in parts.items()}
     out["std"] = np.sqrt(out["variance"])
-    half = math.sqrt(2.0) * _erfinv(level) * out["std"]
+    half = predictive.central_quantile(level) * out["std"]
     out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
     return out
 
-
-def _erfinv(value):
-    from keras import ops
-
-    return float(ops.convert_to_numpy(ops.erfinv(ops.convert_to_tensor(value, "float64"))))

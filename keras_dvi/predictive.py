@@ -78,7 +78,8 @@ def rmse(y_pred, y, y_scale=1.0):
     return ops.sqrt(ops.mean(ops.square(y - mean))) * y_scale
 
 
-def _normal_quantile(level):
+def central_quantile(level):
+    """`z` such that `N(0, 1)` puts probability `level` in `[-z, z]`."""
     if not 0.0 < level < 1.0:
         raise ValueError(f"Argument `level` must be in (0, 1); received level={level!r}.")
     return math.sqrt(2.0) * float(keras.ops.convert_to_numpy(ops.erfinv(ops.convert_to_tensor(level, "float64"))))
@@ -87,7 +88,7 @@ def _normal_quantile(level):
 def prediction_interval(y_pred, level=0.95):
     """Central predictive interval `(lower, upper)`, each `(batch, D)`, of probability `level`."""
     predictive = regression_moments(y_pred)
-    half = _normal_quantile(level) * ops.sqrt(predictive["variance"])
+    half = central_quantile(level) * ops.sqrt(predictive["variance"])
     return predictive["mean"] - half, predictive["mean"] + half
 
 
