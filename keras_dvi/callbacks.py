@@ -4,8 +4,8 @@ import warnings
 
 import keras
 
-from keras_dvi import network, objective
-from keras_dvi.layers.base import BayesianLayer
+from keras_dvi import network, objective, validation
+from keras_dvi.layers.reporting import ELBOReportingLayer
 
 
 class KLWarmup(keras.callbacks.Callback):
@@ -15,7 +15,8 @@ class KLWarmup(keras.callbacks.Callback):
     `GaussianPriorRegularizer`) instead; the schedule then works on every backend and in
     `evaluate` without a callback. This callback still works: at the start of `fit` it sets the
     warm-up of every prior in the model to `warmup_steps` after `delay_steps` steps with the KL
-    off, counted from the first `fit` it takes part in.
+    off, counted from the first `fit` it takes part in, on every keras-dvi layer (global
+    inducing ones too; `layer.set_kl_warmup`).
 
     Args:
         delay_steps: optimizer steps with the KL switched off.
@@ -24,9 +25,8 @@ class KLWarmup(keras.callbacks.Callback):
 
     def __init__(self, delay_steps=0, warmup_steps=0):
         super().__init__()
-        for name, value in (("delay_steps", delay_steps), ("warmup_steps", warmup_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Argument `{name}` must be a non-negative integer; received {value!r}.")
+        delay_steps = validation.non_negative_integer("delay_steps", delay_steps)
+        warmup_steps = validation.non_negative_integer("warmup_steps", warmup_steps)
         warnings.warn(
             "keras_dvi.KLWarmup is deprecated: the KL warm-up is part of the prior and on by "
             "default; pass `kl_warmup_steps=` to EmpiricalBayesRegularizer / "
@@ -44,12 +44,10 @@ class KLWarmup(keras.callbacks.Callback):
         return float(keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(ramp)))
 
     def on_train_begin(self, logs=None):
-        layers = [layer for layer in network.layers_of(self.model) if isinstance(layer, BayesianLayer)]
-        for layer in layers:
-            if layer.regularizer is not None:
-                layer.regularizer.kl_warmup_steps = self.warmup_steps
-                layer.regularizer.kl_delay_steps = self.delay_steps
-            if not self._started and getattr(layer, "kl_step", None) is not None:
-                layer.kl_step.assign(0.0)
+        for layer in network.layers_of(self.model):
+            if isinstance(layer, ELBOReportingLayer) and layer.built:
+                layer.set_kl_warmup(self.warmup_steps, self.delay_steps)
+                if not self._started:
+                    layer.kl_step.assign(0.0)
         self._started = True
         self.model.make_train_function(force=True)  # trace the new schedule

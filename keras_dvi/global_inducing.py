@@ -76,12 +76,20 @@ def initialize_from_data(model, x, y=None, seed=None):
     output.pseudo_outputs.assign(pseudo.astype(output.pseudo_outputs.dtype))
 
 
-def _sampling_head(model):
-    """The layer that sets the sample axis: the first with a `num_samples` setting."""
+def sampling_layer(model):
+    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
+    setting: `GlobalInducingDense`, `DenseMCVI`), or `None` for a moment-propagating model."""
     for layer in network.layers_of(model):
         if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
             return layer
-    raise ValueError("Argument `model` has no sampling layer (GlobalInducingDense or DenseMCVI).")
+    return None
+
+
+def _sampling_head(model):
+    layer = sampling_layer(model)
+    if layer is None:
+        raise ValueError("Argument `model` has no sampling layer (GlobalInducingDense or DenseMCVI).")
+    return layer
 
 
 def predict_samples(model, x, num_samples, batch_size=None, verbose=0):

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from keras_dvi import losses, network, predictive
+from keras_dvi import losses, predictive
+from keras_dvi.global_inducing import predict_samples, sampling_layer
 
 REGRESSION, CLASSIFICATION = "regression", "classification"
 _TASK_OF_LOSS = {
@@ -27,10 +28,6 @@ def _task(model, task):
         f"({type(loss).__name__ if loss is not None else 'not compiled'}): pass "
         "`task='regression'` or `task='classification'`."
     )
-
-
-def _is_sampled(model):
-    return any(hasattr(layer, "num_samples") and hasattr(layer, "seed_generator") for layer in network.layers_of(model))
 
 
 def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, probability_method="mean"):
@@ -71,31 +68,27 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
     >>> out = keras_dvi.predict(model, x_test)
     >>> out["mean"], out["std"], out["lower"], out["upper"]
     """
-    from keras_dvi.global_inducing import predict_samples
-
     task = _task(model, task)
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"Argument `level` must be in (0, 1); received level={level!r}.")
-    sampled = _is_sampled(model)
+    quantile = predictive.central_quantile(level) if task == REGRESSION else None  # checks `level`
+    sampled = sampling_layer(model) is not None
     if sampled:
         y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
     else:
         y_pred = model.predict(x, batch_size=batch_size, verbose=0)
-    as_numpy = lambda value: np.asarray(value)  # noqa: E731
     if task == CLASSIFICATION:
         if sampled:
-            probs = as_numpy(predictive.sample_class_probabilities(y_pred))
+            probs = np.asarray(predictive.sample_class_probabilities(y_pred))
         else:
-            probs = as_numpy(predictive.class_probabilities(y_pred, method=probability_method))
+            probs = np.asarray(predictive.class_probabilities(y_pred, method=probability_method))
         entropy = -np.sum(probs * np.log(probs), axis=-1)
         return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
     if sampled:
         parts = predictive.sample_regression_moments(y_pred)
     else:
         parts = predictive.regression_moments(y_pred)
-    out = {name: as_numpy(value) for name, value in parts.items()}
+    out = {name: np.asarray(value) for name, value in parts.items()}
     out["std"] = np.sqrt(out["variance"])
-    half = predictive.central_quantile(level) * out["std"]
+    half = quantile * out["std"]
     out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
     return out
 

@@ -33,15 +33,6 @@ def gaussian_kl(mean, variance, prior_variance):
 DEFAULT_KL_WARMUP_STEPS = 1000
 
 
-def _check_kl_warmup_steps(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            "Argument `kl_warmup_steps` must be a non-negative integer (training steps over "
-            f"which the KL weight rises from 0; 0: no warm-up); received {value!r}."
-        )
-    return value
-
-
 class PriorRegularizer:
     """Base class: a prior whose KL to a factorised Gaussian posterior has a closed form.
 
@@ -62,7 +53,9 @@ class PriorRegularizer:
     def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         self.num_train = validation.num_train(num_train)
         self.kl_weight = validation.positive_number("kl_weight", kl_weight)
-        self.kl_warmup_steps = _check_kl_warmup_steps(kl_warmup_steps)
+        self.kl_warmup_steps = validation.non_negative_integer(
+            "kl_warmup_steps", kl_warmup_steps, " (training steps over which the KL weight rises from 0; 0: no warm-up)"
+        )
 
     def kl(self, mean, variance, fan_in):
         """KL divergence of one weight set (all entries of `mean` / `variance`)."""

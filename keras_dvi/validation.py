@@ -47,12 +47,13 @@ def check_finite(x, name, validate=False):
     return x
 
 
-def check_moments(mean, second, kind, name="inputs", validate=False):
+def check_moments(mean, second, kind, name="inputs", validate=False, where=None):
     """Validates the values of layer inputs `(mean, second)` of structure `kind`.
 
-    `second` is `None`, variances `(batch, K)` or covariances `(batch, K, K)`. Variances
-    (and covariance diagonals) must be >= 0 and finite; covariances symmetric (relative
-    tolerance 1e-5).
+    `second` is `None`, variances `(batch, K)` or covariances `(batch, K, K)`. Concrete values:
+    variances (and covariance diagonals) must be >= 0 and finite, covariances symmetric
+    (relative tolerance 1e-5). Inside compiled steps the variances are always checked by
+    `check_packed_variances` (named by `where`, the layer), finiteness only with `validate`.
     """
     mean = check_finite(mean, name, validate)
     if second is None:
@@ -77,15 +78,8 @@ def check_moments(mean, second, kind, name="inputs", validate=False):
                     f"|C - C^T| is {asym:.3g} (relative {asym / scale:.3g})."
                 )
         return mean, second
-    if validate and keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        variances = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
-        with tf.control_dependencies(
-            [tf.debugging.assert_non_negative(variances, message=f"Argument `{name}` has negative variances")]
-        ):
-            second = tf.identity(second)
-    return mean, second
+    variances = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
+    return check_packed_variances(mean, variances, where or f"Argument `{name}`"), second
 
 
 def check_same_batch(y_true, y_pred, message):
@@ -116,6 +110,13 @@ def positive_number(name, value):
     return float(value)
 
 
+def non_negative_integer(name, value, meaning=""):
+    """`value` unless it is not a non-negative integer (`ValueError` naming `name`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"Argument `{name}` must be a non-negative integer{meaning}; received {value!r}.")
+    return int(value)
+
+
 def num_train(value):
     """The number of training examples: a positive integer."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -144,7 +145,7 @@ def regression_targets(y_true, dims, name):
     )
 
 
-def class_labels(y_true, classes, dtype, validate=False):
+def class_labels(y_true, classes, dtype):
     """Labels as one-hot (or soft) rows `(batch, classes)`.
 
     Integer labels `(batch,)` / `(batch, 1)` must lie in `0 .. classes - 1`: checked in eager

@@ -225,3 +225,19 @@ def test_plain_keras_layers_after_a_keras_dvi_layer_are_refused(where):
             model.fit(x, y, epochs=1, verbose=0)
     else:  # no assertions inside a compiled JAX step: NaN, not a silently wrong model
         assert np.isnan(model.fit(x, y, epochs=1, verbose=0).history["loss"][0])
+
+
+def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
+    """`KLWarmup` once set the KL weight of `GlobalInducingDense` networks too: it still does.
+    One step per epoch, weights frozen: `loss == nll + w * kl` epoch by epoch."""
+    x, y = _data(seed=9)
+    model = keras.Sequential([keras.Input((2,)),
+                              kd.GlobalInducingDense(4, "relu", num_inducing=5, num_train=64, num_samples=2),
+                              kd.GlobalInducingDense(1, output_layer=True), kd.SampledHomoscedasticNoise()])
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.SampledGaussianELL())
+    with pytest.warns(DeprecationWarning):
+        warmup = kd.KLWarmup(delay_steps=2)
+    history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[warmup]).history
+    weight = np.array([0.0, 0.0, 1.0])
+    np.testing.assert_allclose(history["loss"], np.array(history["nll"]) + weight * np.array(history["kl"]), rtol=1e-5)
+    assert history["kl"][0] != 0.0

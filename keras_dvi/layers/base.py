@@ -226,9 +226,7 @@ class BayesianLayer(ELBOReportingLayer):
 
     def _kl_schedule(self):
         prior = self.regularizer
-        if prior is None:
-            return 1.0, 0, 0
-        return prior.kl_weight, prior.kl_warmup_steps, getattr(prior, "kl_delay_steps", 0)
+        return (1.0, 0) if prior is None else (prior.kl_weight, prior.kl_warmup_steps)
 
     def _report_kl(self, training=False):
         self._start_network()
@@ -253,10 +251,9 @@ class BayesianLayer(ELBOReportingLayer):
         mean = ops.cast(mean, self.moment_dtype)
         second = None if second is None else ops.cast(second, self.moment_dtype)
         self._check_features(int(mean.shape[-1]) if mean.shape[-1] is not None else None)
-        mean, second = validation.check_moments(mean, second, kind, "inputs", self.validate)
-        if second is not None:
-            variance = ops.diagonal(second, axis1=-2, axis2=-1) if kind == packing.FULL else second
-            mean = validation.check_packed_variances(mean, variance, f"{type(self).__name__} {self.name!r}")
+        mean, second = validation.check_moments(
+            mean, second, kind, "inputs", self.validate, where=f"{type(self).__name__} {self.name!r}"
+        )
         self._report_kl(training)
         mean, second = self._moments(mean, second, kind)
         return packing.pack(mean, second)

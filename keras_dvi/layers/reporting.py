@@ -8,7 +8,7 @@ network, the network's `ELBOTracker` metric.
 import keras
 from keras import ops
 
-from keras_dvi import objective
+from keras_dvi import objective, validation
 
 #: Name of the step counter variable (saved with the model).
 KL_STEP = "kl_step"
@@ -33,6 +33,7 @@ class ELBOReportingLayer(keras.layers.Layer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._tracker_ref = _TrackerRef()
+        self._warmup_override = None  # (warmup_steps, delay_steps) from `set_kl_warmup`
 
     @property
     def elbo_tracker(self):
@@ -46,8 +47,17 @@ class ELBOReportingLayer(keras.layers.Layer):
 
     # The schedule: subclasses say where `kl_weight` and `kl_warmup_steps` come from.
     def _kl_schedule(self):
-        """`(kl_weight, kl_warmup_steps, kl_delay_steps)` of this layer."""
-        return 1.0, 0, 0
+        """`(kl_weight, kl_warmup_steps)` of this layer."""
+        return 1.0, 0
+
+    def set_kl_warmup(self, warmup_steps, delay_steps=0):
+        """Overrides the layer's warm-up: the KL is off for `delay_steps` training steps, then
+        ramps in over `warmup_steps` (what the deprecated `KLWarmup` callback sets; not saved).
+        Takes effect in the next traced training function."""
+        self._warmup_override = (
+            validation.non_negative_integer("warmup_steps", warmup_steps),
+            validation.non_negative_integer("delay_steps", delay_steps),
+        )
 
     def _build_kl_step(self, is_head):
         self.kl_step = self.add_weight(
@@ -63,7 +73,8 @@ class ELBOReportingLayer(keras.layers.Layer):
     def kl_weight_value(self, training=False):
         """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;
         while training, times the warm-up factor of the current `kl_step`."""
-        kl_weight, warmup, delay = self._kl_schedule()
+        kl_weight, warmup = self._kl_schedule()
+        warmup, delay = self._warmup_override or (warmup, 0)
         if not training or not (warmup or delay):
             return kl_weight
         return kl_weight * objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup, delay)
@@ -72,19 +83,16 @@ class ELBOReportingLayer(keras.layers.Layer):
         """Adds `w_t * kl` to the model's losses and hands `kl` (the layer's unweighted `KL / N`,
         or `None` without a prior) to the step's loss; advances `kl_step` while training."""
         if kl is not None:
-            weight = self.kl_weight_value(training)
-            if not isinstance(weight, float) or weight != 1.0:
-                weight = ops.cast(weight, kl.dtype)
-            self.add_loss(weight * kl)
+            self.add_loss(ops.cast(self.kl_weight_value(training), kl.dtype) * kl)
             objective.add_kl(kl)
-        if training and getattr(self, "kl_step", None) is not None:
+        if training:
             self.kl_step.assign_add(ops.cast(1.0, self.kl_step.dtype))
 
     def load_own_variables(self, store):
         """Loads files saved before `kl_step` existed (keras-dvi 0.1.0.dev0): their variables are
         the same but for the counter, which then starts at 0."""
         variables = self.weights  # the order Keras saves them in (no sub-layers here)
-        if getattr(self, "kl_step", None) is not None and len(store.keys()) == len(variables) - 1:
+        if len(store.keys()) == len(variables) - 1:
             others = [v for v in variables if v is not self.kl_step]
             for i, variable in enumerate(others):
                 variable.assign(store[f"{i}"])
