@@ -139,16 +139,22 @@ def keras_dvi_network(method, num_train, classes, args, features=64):
     if args.kl_warmup_steps is not None:
         prior_args["kl_warmup_steps"] = args.kl_warmup_steps
     prior = kd.EmpiricalBayesRegularizer(num_train, **prior_args)
+    scale = getattr(args, "variance_scale", None)
+    fan_ins = (features,) + HIDDEN
+
+    def variance(layer):  # the initial posterior variance: the layers' default unless --variance-scale
+        return {} if scale is None else {"kernel_variance_init": scale / fan_ins[layer]}
+
     layers = [keras.Input((features,))]
     if method == "mcvi":
-        layers += [kd.DenseMCVI(w, "relu", regularizer=prior) for w in HIDDEN]
-        layers.append(kd.DenseMCVI(classes, regularizer=prior))
+        layers += [kd.DenseMCVI(w, "relu", regularizer=prior, **variance(i)) for i, w in enumerate(HIDDEN)]
+        layers.append(kd.DenseMCVI(classes, regularizer=prior, **variance(len(HIDDEN))))
         loss = kd.SampledSoftmaxELL()
     else:
         body = kd.DenseDiagDVI
         head = kd.DenseDiagDVI if method == "ddvi" else kd.DenseDVI
-        layers += [body(w, "relu", regularizer=prior) for w in HIDDEN]
-        layers.append(head(classes, regularizer=prior))
+        layers += [body(w, "relu", regularizer=prior, **variance(i)) for i, w in enumerate(HIDDEN)]
+        layers.append(head(classes, regularizer=prior, **variance(len(HIDDEN))))
         loss = kd.SoftmaxDeltaELL() if args.loss_method is None else kd.SoftmaxDeltaELL(method=args.loss_method)
     model = keras.Sequential(layers)
     model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=loss)
@@ -269,8 +275,8 @@ def recipe_label(method, args):
     library defaults (keras-dvi methods only), plus `_validation`."""
     parts = [method]
     if method in KERAS_DVI_METHODS:
-        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method"):
-            value = getattr(args, name)
+        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method", "variance_scale"):
+            value = getattr(args, name, None)
             if value is not None:
                 parts.append(f"{name}={value}")
     label = ",".join(parts)
@@ -338,6 +344,8 @@ def make_parser():
     parser.add_argument("--kl-weight", type=float, default=None, help="keras-dvi methods (default: the prior's)")
     parser.add_argument("--kl-warmup-steps", type=int, default=None, help="keras-dvi methods (default: the prior's)")
     parser.add_argument("--loss-method", default=None, help="SoftmaxDeltaELL method (default: the loss's)")
+    parser.add_argument("--variance-scale", type=float, default=None,
+                        help="keras-dvi methods: initial kernel variance = scale / fan_in (default: the layers')")
     parser.add_argument("--prob-method", default=None, help="class_probabilities method (default: its default)")
     parser.add_argument("--summary-only", action="store_true")
     return parser

@@ -22,56 +22,66 @@ Public API:
 
 __version__ = "0.1.0.dev0"
 
-from keras_dvi import datasets, inducing, metrics, moments, predictive, priors
-from keras_dvi.callbacks import KLWarmup
-from keras_dvi.global_inducing import initialize_from_data, predict_samples, set_sampling_seed
-from keras_dvi.layers import (
-    DenseDiagDVI,
-    DenseDVI,
-    DenseMCVI,
-    GlobalInducingDense,
-    HomoscedasticNoise,
-    SampledHomoscedasticNoise,
-    SkipDiagDVI,
-    SkipDVI,
-    TargetScaling,
-)
-from keras_dvi.losses import HeteroscedasticELL, SampledGaussianELL, SampledSoftmaxELL, SoftmaxDeltaELL
-from keras_dvi.packing import unpack
-from keras_dvi.prediction import predict
-from keras_dvi.priors import EmpiricalBayesRegularizer, GaussianPriorRegularizer, NealPrior, StandardPrior
-from keras_dvi.sampling import sample_outputs
+import importlib
+import sys
 
-__all__ = [
-    "DenseDVI",
-    "DenseDiagDVI",
-    "DenseMCVI",
-    "SkipDVI",
-    "SkipDiagDVI",
-    "HomoscedasticNoise",
-    "TargetScaling",
-    "GlobalInducingDense",
-    "SampledHomoscedasticNoise",
-    "SampledGaussianELL",
-    "SampledSoftmaxELL",
-    "NealPrior",
-    "StandardPrior",
-    "initialize_from_data",
-    "predict_samples",
-    "set_sampling_seed",
-    "HeteroscedasticELL",
-    "SoftmaxDeltaELL",
-    "EmpiricalBayesRegularizer",
-    "GaussianPriorRegularizer",
-    "KLWarmup",
-    "unpack",
-    "predict",
-    "sample_outputs",
-    "datasets",
-    "metrics",
-    "moments",
-    "inducing",
-    "predictive",
-    "priors",
-    "__version__",
-]
+#: Where each public name lives (a module itself when the value is None).
+_EXPORTS = {
+    "DenseDVI": "keras_dvi.layers",
+    "DenseDiagDVI": "keras_dvi.layers",
+    "DenseMCVI": "keras_dvi.layers",
+    "SkipDVI": "keras_dvi.layers",
+    "SkipDiagDVI": "keras_dvi.layers",
+    "HomoscedasticNoise": "keras_dvi.layers",
+    "TargetScaling": "keras_dvi.layers",
+    "GlobalInducingDense": "keras_dvi.layers",
+    "SampledHomoscedasticNoise": "keras_dvi.layers",
+    "SampledGaussianELL": "keras_dvi.losses",
+    "SampledSoftmaxELL": "keras_dvi.losses",
+    "NealPrior": "keras_dvi.priors",
+    "StandardPrior": "keras_dvi.priors",
+    "initialize_from_data": "keras_dvi.global_inducing",
+    "predict_samples": "keras_dvi.global_inducing",
+    "set_sampling_seed": "keras_dvi.global_inducing",
+    "HeteroscedasticELL": "keras_dvi.losses",
+    "SoftmaxDeltaELL": "keras_dvi.losses",
+    "EmpiricalBayesRegularizer": "keras_dvi.priors",
+    "GaussianPriorRegularizer": "keras_dvi.priors",
+    "KLWarmup": "keras_dvi.callbacks",
+    "unpack": "keras_dvi.packing",
+    "predict": "keras_dvi.prediction",
+    "sample_outputs": "keras_dvi.sampling",
+    "datasets": None,
+    "metrics": None,
+    "moments": None,
+    "inducing": None,
+    "predictive": None,
+    "priors": None,
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'keras_dvi' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    value = importlib.import_module(f"keras_dvi.{name}" if module is None else module)
+    if module is not None:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+# `python -m keras_dvi` (the main job) parses its arguments before Keras and TensorFlow are
+# imported, so `--help` answers at once; while Python locates that module, `sys.argv[0]` is
+# "-m". Every other import loads the whole API now, which also registers the serializable
+# classes with Keras (so `keras.saving.load_model` finds them after `import keras_dvi`).
+if sys.argv[:1] != ["-m"]:
+    for _name in _EXPORTS:
+        __getattr__(_name)
+    del _name
+
+__all__ = [*_EXPORTS, "__version__"]

@@ -22,3 +22,10 @@ def load_toy_regression():
         values = np.array([[float(x), float(y)] for s, x, y in rows if s == split], dtype="float32")
         splits[split] = (values[:, :1], values[:, 1])
     return splits["train"], splits["test"]
+
+
+def toy_regression_truth(x):
+    """`(mean, sd)` of `y` given `x` in the toy problem's generating model
+    (`load_toy_regression`): `-(x + 0.5) sin(3 pi x)` and `0.45 (x + 0.5)^2`."""
+    x = np.asarray(x, dtype="float64")
+    return -(x + 0.5) * np.sin(3 * np.pi * x), 0.45 * (x + 0.5) ** 2

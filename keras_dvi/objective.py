@@ -23,9 +23,16 @@ Where the state lives (every backend, every kind of model):
   which updates the tracker. The hand-off is a thread-local scope like Keras' own (it holds
   tensors of the step being traced and nothing between steps); it is needed because under
   JAX only updates made inside the loss computation reach the metrics.
+
+The hand-off also makes two misuses loud, when a training step runs or is traced: a step that
+no keras-dvi loss closes before the metrics are read (the model was compiled with a Keras loss
+such as `"mse"`, which reads packed moments as predictions), and a second keras-dvi layer
+taking data inputs in the same training pass (a plain layer such as `Flatten` turned
+keras-dvi moments into features).
 """
 
 import threading
+import warnings
 
 import keras
 from keras import ops
@@ -66,17 +73,55 @@ class ELBOTracker(keras.metrics.Metric):
         self.steps.assign_add(ops.cast(1.0, self.dtype))
 
     def result(self):
+        """`{"nll": ..., "kl": ...}`. Keras reads it at the end of every training or test step,
+        after the loss: a step of this network still open then was scored by no keras-dvi loss
+        (a warning if it was a training step), and is closed."""
+        if getattr(_STEP, "tracker", None) is self:
+            _STEP.tracker = None
+            if _STEP.training and not getattr(self, "warned_loss", False):
+                self._warn_no_loss()
         steps = ops.maximum(self.steps, 1.0)
         return {"nll": self.nll_total / steps, "kl": self.kl_total / steps}
+
+    def _warn_no_loss(self):
+        self.warned_loss = True
+        warnings.warn(
+                f"The network whose first keras-dvi layer is {_STEP.head!r} trained a step that no "
+                "keras-dvi loss scored: its loss reads the packed output (mean and (co)variance "
+                "rows, or weight samples) as if it were a prediction, e.g. `loss=\"mse\"` on a "
+                "DVI output, and its `nll` is not logged. Compile with a keras-dvi loss: "
+                "`keras_dvi.HeteroscedasticELL()` (regression) or `keras_dvi.SoftmaxDeltaELL()` "
+                "(classification); `SampledGaussianELL` / `SampledSoftmaxELL` for sampled layers. "
+                "(A custom loss that reads the moments with `keras_dvi.unpack` is legitimate.)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def reset_state(self):
         for variable in (self.nll_total, self.kl_total, self.steps):
             variable.assign(ops.zeros((), dtype=variable.dtype))
 
 
-def start_step(tracker):
-    """Called by the first keras-dvi layer of a forward pass: opens the hand-off of the step."""
-    _STEP.tracker = tracker
+def start_step(tracker, training=False, head=None, inputs=None):
+    """Called by the first keras-dvi layer of a forward pass (named `head`, reading the data
+    `inputs`): opens the hand-off of the step. Warns when a training step of another network's
+    first layer is still open in the same computation: two keras-dvi layers took data inputs
+    in one training pass."""
+    previous = getattr(_STEP, "tracker", None)
+    trace = None if inputs is None else _trace_of(inputs)
+    if (training and previous is not None and previous is not tracker and _STEP.training
+            and _STEP.trace is trace and not getattr(tracker, "warned_second_head", False)):
+        tracker.warned_second_head = True
+        warnings.warn(
+            f"keras-dvi layers {_STEP.head!r} and {head!r} both take data (2-D) inputs in one "
+            "training pass. If a plain Keras layer such as Flatten or Dense turns the first "
+            "one's packed moments into plain features for the second, remove it: keras-dvi "
+            "layers take each other's outputs directly. (A network with two keras-dvi branches "
+            f"on the data is legitimate, but its logged `kl` leaves out the branch of {_STEP.head!r}.)",
+            UserWarning,
+            stacklevel=2,
+        )
+    _STEP.tracker, _STEP.training, _STEP.head, _STEP.trace = tracker, bool(training), head, trace
     _STEP.kl = []
 
 

@@ -8,6 +8,8 @@ there, `validate=True` on a layer or loss adds TensorFlow assertions to the grap
 pass over the inputs per step; TensorFlow backend only).
 """
 
+import warnings
+
 import keras
 import numpy as np
 from keras import ops
@@ -125,6 +127,25 @@ def num_train(value):
             f"integer (the KL is divided by it, never by the batch size); received {value!r}."
         )
     return int(value)
+
+
+def num_train_against_batch(num_train, rows, where):
+    """Checks `num_train` against the rows of a training batch (of layer `where`): fewer
+    training examples than rows in one batch is impossible (an error); as many is the batch
+    size passed by mistake, unless the batch is the whole data set (a warning)."""
+    fix = ("`num_train` must be the number of training examples in the whole data set (e.g. "
+           "`len(x_train)`), not the batch size: the KL is divided by it, so a batch-sized value "
+           "overweights the KL by the number of batches per epoch")
+    if num_train < rows:
+        raise ValueError(f"{where} trains on a batch of {rows} rows but `num_train` is {num_train}: {fix}.")
+    if num_train == rows:
+        warnings.warn(
+            f"{where} trains on a batch of {rows} rows and `num_train` is also {rows}. If the "
+            f"data set has more rows than one batch, {fix[0].lower() + fix[1:]}. (If each batch "
+            "holds the whole data set, ignore this.)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------- targets and labels

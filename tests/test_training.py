@@ -204,19 +204,30 @@ def test_class_labels_out_of_range_are_refused():
     assert np.isfinite(model.fit(x, labels - 1, epochs=1, verbose=0).history["loss"][0])
 
 
-@pytest.mark.parametrize("where", ["dense_between", "batch_norm_between", "dense_head"])
+@pytest.mark.parametrize("where", ["dense_between", "batch_norm_between", "dropout_between", "dense_head"])
 def test_plain_keras_layers_after_a_keras_dvi_layer_are_refused(where):
-    """A plain layer mixes the packed mean and covariance rows as numbers; the next keras-dvi
-    layer or loss sees negative "variances" (-0.07, -0.12 in the issue that found this)."""
+    """A plain layer treats the packed mean and covariance rows as numbers. Between keras-dvi
+    layers, building the model warns (once trained silently: variances -0.07, -0.12 in the
+    issue that found this); layers that mix rows are also refused at run time by the negative
+    "variances" they produce, as is a plain head."""
     x, y = _data(seed=8)
     prior = kd.EmpiricalBayesRegularizer(64)
     layers = [keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior)]
     if where == "dense_head":
         layers += [kd.DenseDVI(1, regularizer=prior), keras.layers.Dense(2)]
     else:
-        plain = keras.layers.Dense(8) if where == "dense_between" else keras.layers.BatchNormalization()
+        plain = {"dense_between": keras.layers.Dense(8), "batch_norm_between": keras.layers.BatchNormalization(),
+                 "dropout_between": keras.layers.Dropout(0.1)}[where]
         layers += [plain, kd.DenseDVI(2, regularizer=prior)]
-    model = keras.Sequential(layers)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model = keras.Sequential(layers)
+    built = [str(w.message) for w in record if "that no keras-dvi layer produced" in str(w.message)]
+    assert len(built) == (0 if where == "dense_head" else 1)
+    if built:
+        assert f"{type(plain).__name__}" in built[0] and "Remove the plain layer" in built[0]
+    if where == "dropout_between":
+        return  # Dropout keeps variances >= 0: the warning above is what tells
     model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
     with pytest.raises(ValueError, match="sits between keras-dvi layers"):
         kd.HeteroscedasticELL()(y, model(x)) if where == "dense_head" else model(x, training=True)
@@ -225,6 +236,18 @@ def test_plain_keras_layers_after_a_keras_dvi_layer_are_refused(where):
             model.fit(x, y, epochs=1, verbose=0)
     else:  # no assertions inside a compiled JAX step: NaN, not a silently wrong model
         assert np.isnan(model.fit(x, y, epochs=1, verbose=0).history["loss"][0])
+
+
+def test_a_nested_keras_dvi_model_keeps_working():
+    """A keras-dvi model used as a layer: its output loses the stamp (Keras rebuilds it), so
+    building warns, but the network computes what the flat network computes and round-trips."""
+    prior = kd.EmpiricalBayesRegularizer(64)
+    body = keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior)])
+    with pytest.warns(UserWarning, match="nested keras-dvi model"):
+        model = keras.Sequential([keras.Input((2,)), body, kd.DenseDVI(2, regularizer=prior)])
+    flat = keras.Sequential([keras.Input((2,)), body.layers[0], model.layers[-1]])
+    x, _ = _data(seed=10)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(model(x)), keras.ops.convert_to_numpy(flat(x)), rtol=1e-6)
 
 
 def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
@@ -241,3 +264,58 @@ def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
     weight = np.array([0.0, 0.0, 1.0])
     np.testing.assert_allclose(history["loss"], np.array(history["nll"]) + weight * np.array(history["kl"]), rtol=1e-5)
     assert history["kl"][0] != 0.0
+
+
+def _fit_messages(model, x, y, **fit_args):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(x, y, verbose=0, **fit_args)
+    return [str(w.message) for w in record]
+
+
+def _misuse_free(messages):
+    return not [m for m in messages if "keras-dvi" in m or "num_train" in m]
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_keras_loss_on_a_keras_dvi_output_warns_once(run_eagerly):
+    """`loss="mse"` on a 1-unit DVI output once trained on the packed tensor, logging `nll: 0`."""
+    x, y = _data(seed=11)
+    prior = kd.EmpiricalBayesRegularizer(640)
+    model = keras.Sequential([keras.Input((2,)), kd.DenseDVI(8, "relu", regularizer=prior), kd.DenseDVI(1, regularizer=prior)])
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse", run_eagerly=run_eagerly)
+    messages = [m for m in _fit_messages(model, x, y, epochs=2, batch_size=32) if "no keras-dvi loss scored" in m]
+    assert len(messages) == 1 and "HeteroscedasticELL" in messages[0]
+    right = keras.Sequential([keras.Input((2,))] + _layers(prior))
+    right.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL(), run_eagerly=run_eagerly)
+    assert _misuse_free(_fit_messages(right, x, y, epochs=2, batch_size=32, validation_split=0.25))
+    right.predict(x, verbose=0)  # an open inference step is no misuse either
+    assert _misuse_free(_fit_messages(right, x, y, epochs=1, batch_size=32))
+
+
+def test_flatten_between_keras_dvi_layers_warns():
+    """`Flatten` turned packed moments into 2-D "data" for the next keras-dvi layer, silently."""
+    x, y = _data(seed=12)
+    prior = kd.EmpiricalBayesRegularizer(640)
+    model = keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior),
+                              keras.layers.Flatten(), kd.DenseDVI(2, regularizer=prior)])
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+    messages = [m for m in _fit_messages(model, x, y, epochs=2, batch_size=32) if "both take data" in m]
+    assert len(messages) == 1 and "Flatten" in messages[0]
+
+
+def test_num_train_is_checked_against_the_batch():
+    """`num_train` set to the batch size went undetected (KL 14.4 instead of 2.1)."""
+    x, y = _data(seed=13)
+
+    def model(num_train):
+        prior = kd.EmpiricalBayesRegularizer(num_train)
+        m = keras.Sequential([keras.Input((2,))] + _layers(prior))
+        m.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+        return m
+
+    with pytest.raises(Exception, match=r"batch of 32 rows but `num_train` is 16.*whole data set"):
+        model(16).fit(x, y, epochs=1, batch_size=32, verbose=0)
+    messages = [m for m in _fit_messages(model(32), x, y, epochs=1, batch_size=32) if "num_train" in m]
+    assert len(messages) == 1 and "`num_train` is also 32" in messages[0] and "len(x_train)" in messages[0]
+    assert _misuse_free(_fit_messages(model(len(x)), x, y, epochs=1, batch_size=32))

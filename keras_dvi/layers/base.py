@@ -228,8 +228,12 @@ class BayesianLayer(ELBOReportingLayer):
         prior = self.regularizer
         return (1.0, 0) if prior is None else (prior.kl_weight, prior.kl_warmup_steps)
 
-    def _report_kl(self, training=False):
-        self._start_network()
+    def _num_train(self):
+        return None if self.regularizer is None else self.regularizer.num_train
+
+    def _report_kl(self, training=False, data=None):
+        """Adds the KL; `data`: the layer's inputs if they are data (2-D), else `None`."""
+        self._start_network(training, data)
         if training and self.regularizer is None and not getattr(self, "_warned_no_prior", False):
             self._warned_no_prior = True
             warnings.warn(
@@ -254,7 +258,7 @@ class BayesianLayer(ELBOReportingLayer):
         mean, second = validation.check_moments(
             mean, second, kind, "inputs", self.validate, where=f"{type(self).__name__} {self.name!r}"
         )
-        self._report_kl(training)
+        self._report_kl(training, mean if kind == packing.DETERMINISTIC else None)
         mean, second = self._moments(mean, second, kind)
         return packing.pack(mean, second)
 

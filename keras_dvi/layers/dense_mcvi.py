@@ -74,14 +74,15 @@ class DenseMCVI(DenseBase):
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)
         self._check_features(int(inputs.shape[-1]))
+        data = None
         if len(inputs.shape) == 2:
-            inputs = validation.check_finite(inputs, "inputs", self.validate)
+            data = inputs = validation.check_finite(inputs, "inputs", self.validate)
             samples = self.num_samples
             h = ops.broadcast_to(inputs[None], (samples,) + tuple(ops.shape(inputs)))
         else:
             samples = inputs.shape[1]
             h = ops.transpose(inputs, (1, 0, 2))  # (samples, batch, in)
-        self._report_kl(training)
+        self._report_kl(training, data)
         if self.local_reparameterization:
             out = self._local_affine(h)
         else:

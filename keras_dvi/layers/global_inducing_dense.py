@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_dvi import inducing, priors, validation
+from keras_dvi.layers import boundary
 from keras_dvi.layers.reporting import ELBOReportingLayer
 
 #: Appendix H of Ober & Aitchison: the log precisions are stored divided by this factor (and
@@ -152,10 +153,9 @@ class GlobalInducingDense(ELBOReportingLayer):
 
     @staticmethod
     def upstream_layer(inputs):
-        """The layer that produced `inputs` (a symbolic tensor of a functional or `Sequential`
-        model), or `None`."""
-        history = getattr(inputs, "_keras_history", None)
-        return getattr(history, "operation", None) if history is not None else None
+        """The keras-dvi layer that produced `inputs` (a symbolic tensor of a functional or
+        `Sequential` model), or `None`."""
+        return boundary.producer_of(inputs)
 
     def _inherit(self, upstream):
         """A later layer takes `num_inducing` and `num_train` from the layer feeding it."""
@@ -265,8 +265,11 @@ class GlobalInducingDense(ELBOReportingLayer):
             *self._posterior_arguments(inducing_features), self.prior_precision, noise
         )
 
+    def _num_train(self):
+        return self.num_train
+
     def call(self, inputs, training=None):
-        self._start_network()
+        self._start_network(training, inputs if self._is_first else None)
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)
         m = self.num_inducing

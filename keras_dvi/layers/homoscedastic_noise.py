@@ -4,9 +4,10 @@ import keras
 from keras import ops
 
 from keras_dvi import packing, validation
+from keras_dvi.layers.boundary import KerasDVILayer
 
 
-class LearnedLogVariance(keras.layers.Layer):
+class LearnedLogVariance(KerasDVILayer):
     """Base of the noise layers: one learned log-variance per target, optionally rescaled.
 
     The variable holds `l / log_variance_scale` (Ober & Aitchison 2021, Appendix H): with a

@@ -9,6 +9,7 @@ import keras
 from keras import ops
 
 from keras_dvi import objective, validation
+from keras_dvi.layers.boundary import KerasDVILayer
 
 #: Name of the step counter variable (saved with the model).
 KL_STEP = "kl_step"
@@ -22,7 +23,7 @@ class _TrackerRef:
         self.tracker = None
 
 
-class ELBOReportingLayer(keras.layers.Layer):
+class ELBOReportingLayer(KerasDVILayer):
     """A Keras layer that adds `w_t * KL / N` to the model's losses (see `keras_dvi.objective`).
 
     Subclasses call `_build_kl_step(is_head)` in `build` (`is_head`: the input is deterministic
@@ -66,9 +67,21 @@ class ELBOReportingLayer(keras.layers.Layer):
         if is_head and self._tracker_ref.tracker is None:
             self._tracker_ref.tracker = objective.ELBOTracker()
 
-    def _start_network(self):
-        if self._tracker_ref.tracker is not None:
-            objective.start_step(self._tracker_ref.tracker)
+    def _num_train(self):
+        """The `N` this layer divides its KL by, or `None`."""
+        return None
+
+    def _start_network(self, training=False, inputs=None):
+        """Opens the step's hand-off if this is the network's first keras-dvi layer, whose data
+        `inputs` (2-D) also check `num_train` against the batch when training."""
+        if self._tracker_ref.tracker is None:
+            return
+        num_train = self._num_train()
+        rows = None if inputs is None else inputs.shape[0]
+        if training and rows is not None and num_train is not None and not getattr(self, "_checked_num_train", False):
+            self._checked_num_train = True
+            validation.num_train_against_batch(num_train, int(rows), f"{type(self).__name__} {self.name!r}")
+        objective.start_step(self._tracker_ref.tracker, training, self.name, inputs)
 
     def kl_weight_value(self, training=False):
         """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;

@@ -7,10 +7,11 @@ import numpy as np
 from keras import ops
 
 from keras_dvi import packing, validation
+from keras_dvi.layers.boundary import KerasDVILayer
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class TargetScaling(keras.layers.Layer):
+class TargetScaling(KerasDVILayer):
     """Maps a heteroscedastic output from standardised units to the targets' own units.
 
     A keras-dvi regression network learns best when its targets have mean 0 and standard
