@@ -24,7 +24,9 @@ Numerical design (tested at the edges):
   (no `E[h_j h_l] - E[h_j] E[h_l]` cancellation), which matters in float32 for large means.
 """
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -34,8 +36,6 @@ from keras import ops
 # Constants and small helpers
 # --------------------------------------------------------------------------------------------
 
-#: Activations with closed-form moments. `None` and `"linear"` mean the identity.
-ACTIVATIONS = ("linear", "relu", "heaviside", "leaky_relu")
 #: Negative slope of `"leaky_relu"` (the default of `keras.activations.leaky_relu`).
 LEAKY_SLOPE = 0.2
 #: Methods for the cross moments of two units through a nonlinearity.
@@ -180,33 +180,7 @@ def activation_moments(mean, variance, activation):
     Returns:
         Tuple `(mean_h, variance_h)` with the shape of `mean`.
     """
-    activation = canonical_activation(activation)
-    if activation == "linear":
-        return mean, variance
-    if activation == "leaky_relu":
-        # f = a x + (1 - a) relu(x): Var f = a^2 S + (1-a)^2 Var relu + 2 a (1-a) S Phi(mu),
-        # using Cov(x, relu(x)) = S Phi(mu) (Stein's lemma).
-        a = LEAKY_SLOPE
-        mean_r, var_r = activation_moments(mean, variance, "relu")
-        slope = expected_derivative(mean, variance, "relu")
-        variance = ops.maximum(variance, 0.0)
-        mean_h = a * mean + (1.0 - a) * mean_r
-        var_h = a * a * variance + (1.0 - a) ** 2 * var_r + 2.0 * a * (1.0 - a) * variance * slope
-        return mean_h, var_h
-    std = _safe_std(variance)
-    mu = _standardise(mean, std)
-    pdf = normal_pdf(mu)
-    cdf = normal_cdf(mu)
-    if activation == "relu":
-        mean_h = std * pdf + mean * cdf
-        # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2, with Q = Phi(-mu): each term is
-        # accurate in both tails (the leading 1 or the leading tail term dominates).
-        upper = normal_cdf(-mu)
-        ratio = cdf + ops.square(mu) * cdf * upper + mu * pdf * (upper - cdf) - ops.square(pdf)
-        variance_h = ops.maximum(variance, 0.0) * ops.maximum(ratio, 0.0)
-        return mean_h, variance_h
-    # heaviside: Bernoulli(Phi(mu)).
-    return cdf, cdf * normal_cdf(-mu)
+    return get_activation(activation).moments(mean, variance)
 
 
 def expected_derivative(mean, variance, activation):
@@ -216,16 +190,46 @@ def expected_derivative(mean, variance, activation):
     Appendix C.1 prints `1 / S`, which is dimensionally wrong); linear: 1; leaky ReLU:
     `a + (1 - a) Phi(mu)`.
     """
-    activation = canonical_activation(activation)
-    if activation == "linear":
-        return ops.ones_like(mean)
-    if activation == "leaky_relu":
-        return LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * expected_derivative(mean, variance, "relu")
+    return get_activation(activation).derivative(mean, variance)
+
+
+def _relu_moments(mean, variance):
     std = _safe_std(variance)
     mu = _standardise(mean, std)
-    if activation == "relu":
-        return normal_cdf(mu)
-    return normal_pdf(mu) / std
+    pdf, cdf = normal_pdf(mu), normal_cdf(mu)
+    mean_h = std * pdf + mean * cdf
+    # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2, with Q = Phi(-mu): each term is
+    # accurate in both tails (the leading 1 or the leading tail term dominates).
+    upper = normal_cdf(-mu)
+    ratio = cdf + ops.square(mu) * cdf * upper + mu * pdf * (upper - cdf) - ops.square(pdf)
+    return mean_h, ops.maximum(variance, 0.0) * ops.maximum(ratio, 0.0)
+
+
+def _relu_derivative(mean, variance):
+    return normal_cdf(_standardise(mean, _safe_std(variance)))
+
+
+def _heaviside_moments(mean, variance):
+    # Bernoulli(Phi(mu)).
+    mu = _standardise(mean, _safe_std(variance))
+    cdf = normal_cdf(mu)
+    return cdf, cdf * normal_cdf(-mu)
+
+
+def _heaviside_derivative(mean, variance):
+    std = _safe_std(variance)
+    return normal_pdf(_standardise(mean, std)) / std
+
+
+def _leaky_relu_moments(mean, variance):
+    # f = a x + (1 - a) relu(x): Var f = a^2 S + (1-a)^2 Var relu + 2 a (1-a) S Phi(mu),
+    # using Cov(x, relu(x)) = S Phi(mu) (Stein's lemma).
+    a = LEAKY_SLOPE
+    mean_r, var_r = _relu_moments(mean, variance)
+    slope = _relu_derivative(mean, variance)
+    variance = ops.maximum(variance, 0.0)
+    mean_h = a * mean + (1.0 - a) * mean_r
+    return mean_h, a * a * variance + (1.0 - a) ** 2 * var_r + 2.0 * a * (1.0 - a) * variance * slope
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,28 +384,39 @@ def cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, activation, method="p
         The covariance of the two activations, shape of the broadcast inputs. Correlations
         are clipped strictly inside (-1, 1) first.
     """
-    activation = canonical_activation(activation)
-    method = canonical_method(method)
-    if activation == "linear":
-        return cov_jl + ops.zeros_like(mean_j) + ops.zeros_like(mean_l)
-    if activation == "leaky_relu":
-        # f = a x + (1 - a) relu(x); Cov(x_j, relu(x_l)) = S_jl Phi(mu_l) (Stein's lemma), so
-        # only the ReLU-ReLU term needs the paper's approximation (or the exact form).
-        a = LEAKY_SLOPE
-        relu = cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, "relu", method)
-        slopes = expected_derivative(mean_j, var_j, "relu") + expected_derivative(mean_l, var_l, "relu")
-        return a * a * cov_jl + a * (1.0 - a) * cov_jl * slopes + (1.0 - a) ** 2 * relu
-    std_j = _safe_std(var_j)
-    std_l = _safe_std(var_l)
-    mu_j = _standardise(mean_j, std_j)
-    mu_l = _standardise(mean_l, std_l)
+    return get_activation(activation).covariance(mean_j, mean_l, var_j, var_l, cov_jl, canonical_method(method))
+
+
+def _standardised_pair(mean_j, mean_l, var_j, var_l, cov_jl):
+    std_j, std_l = _safe_std(var_j), _safe_std(var_l)
     rho = clip_correlation(cov_jl / (std_j * std_l))
-    if activation == "relu":
-        fn = _paper_relu_covariance if method == "paper" else _exact_relu_covariance
-        return fn(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l)
+    return std_j, std_l, rho, _standardise(mean_j, std_j), _standardise(mean_l, std_l)
+
+
+def _linear_covariance(mean_j, mean_l, var_j, var_l, cov_jl, method):
+    return cov_jl + ops.zeros_like(mean_j) + ops.zeros_like(mean_l)
+
+
+def _relu_covariance(mean_j, mean_l, var_j, var_l, cov_jl, method):
+    std_j, std_l, rho, mu_j, mu_l = _standardised_pair(mean_j, mean_l, var_j, var_l, cov_jl)
+    fn = _paper_relu_covariance if method == "paper" else _exact_relu_covariance
+    return fn(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l)
+
+
+def _heaviside_covariance(mean_j, mean_l, var_j, var_l, cov_jl, method):
+    _, _, rho, mu_j, mu_l = _standardised_pair(mean_j, mean_l, var_j, var_l, cov_jl)
     if method == "paper":
         return _paper_heaviside_covariance(rho, mu_j, mu_l)
     return bivariate_normal_cdf_excess(mu_j, mu_l, rho)
+
+
+def _leaky_relu_covariance(mean_j, mean_l, var_j, var_l, cov_jl, method):
+    # f = a x + (1 - a) relu(x); Cov(x_j, relu(x_l)) = S_jl Phi(mu_l) (Stein's lemma), so
+    # only the ReLU-ReLU term needs the paper's approximation (or the exact form).
+    a = LEAKY_SLOPE
+    relu = _relu_covariance(mean_j, mean_l, var_j, var_l, cov_jl, method)
+    slopes = _relu_derivative(mean_j, var_j) + _relu_derivative(mean_l, var_l)
+    return a * a * cov_jl + a * (1.0 - a) * cov_jl * slopes + (1.0 - a) ** 2 * relu
 
 
 def activation_covariance(mean, covariance, activation, method="paper"):
@@ -419,8 +434,7 @@ def activation_covariance(mean, covariance, activation, method="paper"):
     Returns:
         `(mean_h (..., K), covariance_h (..., K, K))`.
     """
-    activation = canonical_activation(activation)
-    if activation == "linear":
+    if get_activation(activation).identity:
         return mean, covariance
     variance = ops.diagonal(covariance, axis1=-2, axis2=-1)
     mean_h, var_h = activation_moments(mean, variance, activation)
@@ -514,3 +528,54 @@ def diag_embed(variance):
     """`(..., K)` variances to `(..., K, K)` diagonal covariance matrices."""
     units = ops.shape(variance)[-1]
     return variance[..., :, None] * ops.eye(units, dtype=variance.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The activations: one entry each
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """Everything keras-dvi computes for one activation `f`; adding an activation is adding
+    one entry to `_ACTIVATIONS`.
+
+    Attributes:
+        name: the name layers accept and save (`activation="relu"`).
+        apply: `f(x)`, elementwise (weight sampling, skip connections).
+        moments: `(mean, variance) -> (E[f(a)], Var[f(a)])` for independent Gaussian units.
+        derivative: `(mean, variance) -> E[f'(a)]` (Stein's lemma).
+        covariance: `(mean_j, mean_l, var_j, var_l, cov_jl, method) -> Cov(f(a_j), f(a_l))`
+            for `method` `"paper"` or `"exact"`.
+        identity: whether `f` is the identity (moments pass through unchanged).
+    """
+
+    name: str
+    apply: Callable
+    moments: Callable
+    derivative: Callable
+    covariance: Callable
+    identity: bool = False
+
+
+_ACTIVATIONS = {
+    a.name: a
+    for a in (
+        Activation("linear", lambda x: x, lambda m, v: (m, v), lambda m, v: ops.ones_like(m),
+                   _linear_covariance, identity=True),
+        Activation("relu", ops.relu, _relu_moments, _relu_derivative, _relu_covariance),
+        Activation("heaviside", lambda x: ops.cast(x > 0, x.dtype), _heaviside_moments,
+                   _heaviside_derivative, _heaviside_covariance),
+        Activation("leaky_relu", lambda x: ops.leaky_relu(x, negative_slope=LEAKY_SLOPE),
+                   _leaky_relu_moments,
+                   lambda m, v: LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * _relu_derivative(m, v),
+                   _leaky_relu_covariance),
+    )
+}
+#: Activations with closed-form moments. `None` and `"linear"` mean the identity.
+ACTIVATIONS = tuple(_ACTIVATIONS)
+
+
+def get_activation(activation):
+    """The `Activation` entry of `activation` (any form `canonical_activation` accepts)."""
+    return _ACTIVATIONS[canonical_activation(activation)]

@@ -401,10 +401,4 @@ class DenseBase(BayesianLayer):
 
 def apply_activation(x, activation):
     """Deterministic activation (used in sampling mode)."""
-    if activation == "relu":
-        return ops.relu(x)
-    if activation == "leaky_relu":
-        return ops.leaky_relu(x, negative_slope=moments.LEAKY_SLOPE)
-    if activation == "heaviside":
-        return ops.cast(x > 0, x.dtype)
-    return x
+    return moments.get_activation(activation).apply(x)
