@@ -5,7 +5,7 @@
 For each network (width 5, 25, 125; depth 2 and 5 ReLU layers: plain `DenseDVI` stacks, or a
 linear `DenseDVI` followed by that many `SkipDVI` residual blocks; heteroscedastic 2-unit head; empirical Bayes) on the
 bundled toy data: the deterministic output distribution is compared with 20,000 Monte Carlo
-weight samples (`keras_dvi.sample_outputs`) at 5 inputs (quantiles of the training inputs),
+weight samples (`keras_dvi.predict_samples`) at 5 inputs (quantiles of the training inputs),
 before training and after `--epochs` epochs (Adam 1e-3, batch 50; at 1e-2 the 5 x 125
 residual network diverges within 15 steps: its output log-variance reaches -80), with the covariance
 method `"paper"` and `"exact"` (the same posterior: trained once with `"paper"`, evaluated
@@ -49,7 +49,7 @@ def build(width, depth, skip, num_train, method="paper"):
 def distances(model, x, num_samples, seed):
     mean, var = kd.unpack(model.predict(x, verbose=0), covariance="diagonal")
     mean, var = np.asarray(mean, dtype=float), np.asarray(var, dtype=float)
-    samples = kd.sample_outputs(model, x, num_samples, seed=seed).astype(float)  # (S, B, 2)
+    samples = np.swapaxes(kd.predict_samples(model, x, num_samples, seed=seed), 0, 1).astype(float)  # (S, B, 2)
     mc_mean, mc_sd = samples.mean(axis=0), samples.std(axis=0)
     mean_err = np.max(np.abs(mean - mc_mean) / mc_sd)
     ratio = (var / mc_sd**2).ravel()

@@ -6,8 +6,7 @@ Public API:
   Monte Carlo baseline `DenseMCVI`;
 * global inducing points: `GlobalInducingDense`, `SampledHomoscedasticNoise`, the losses
   `SampledGaussianELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
-  `initialize_from_data(model, x, y)`, `predict_samples(model, x, num_samples)` and
-  `set_sampling_seed(model, seed)`;
+  `initialize_from_data(model, x, y)` and `set_sampling_seed(model, seed)`;
 * losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
   `GaussianPriorRegularizer` (each with `num_train`, `kl_weight` and `kl_warmup_steps`); the
   deprecated `KLWarmup` callback;
@@ -15,7 +14,9 @@ Public API:
   intervals; or class probabilities and entropy);
 * `TargetScaling`: a regression head in the targets' own units;
 * `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
-* `sample_outputs(model, x, num_samples, seed)`: the Monte Carlo reference;
+* `predict_samples(model, x, num_samples, seed=None)`: output samples `(batch, samples, units)` of
+  any keras-dvi model (for moment networks, the Monte Carlo reference over their weights); the
+  deprecated `sample_outputs` returns them sample-first;
 * modules `moments` (closed-form moment maths), `predictive` (predictive distributions and
   metrics), `metrics` (Keras metrics for `compile`), `datasets` (bundled data).
 """

@@ -3,13 +3,15 @@
 * `initialize_from_data(model, x, y)`: the paper's initialisation (Ober & Aitchison 2021,
   Appendix O): inducing inputs from training inputs, the output layer's pseudo-outputs from
   the matching targets.
-* `predict_samples(model, x, num_samples)`: `model.predict` with many weight samples.
+* `predict_samples(model, x, num_samples)`: output samples `(n, num_samples, units)` of any
+  keras-dvi model (sampled models through `model.predict`, moment models by Monte Carlo over
+  their weights).
 """
 
 import keras
 import numpy as np
 
-from keras_dvi import network
+from keras_dvi import network, sampling, validation
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 
 
@@ -92,17 +94,41 @@ def _sampling_head(model):
     return layer
 
 
-def predict_samples(model, x, num_samples, batch_size=None, verbose=0):
-    """`model.predict(x)` with `num_samples` weight samples per batch.
+def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None):
+    """Output samples of any keras-dvi model, as a NumPy array `(n, num_samples, units)`.
 
-    For models of `GlobalInducingDense` or `DenseMCVI` layers. Sets the sample count of the
-    first such layer for this call (the model's own setting is restored afterwards) and returns the `(n, num_samples, units)` output
-    samples, ready for `keras_dvi.predictive.sample_regression_moments`,
+    * A sampled model (`GlobalInducingDense` or `DenseMCVI` layers): `model.predict(x)` with
+      the sample count of its first such layer set to `num_samples` for this call (the
+      model's own setting is restored afterwards). `seed` first restarts its layers' draws
+      (`set_sampling_seed`).
+    * A moment-propagating model (`DenseDVI`, `DenseDiagDVI`, `SkipDVI`, ...): the Monte
+      Carlo reference, every keras-dvi layer running ordinary forward passes with weights
+      drawn from its posterior (`keras_dvi.sampling.weight_samples`; the same weights for
+      every row of `x`, so each sample is one function); `seed` seeds the draws.
+
+    The result is ready for `keras_dvi.predictive.sample_regression_moments`,
     `sample_log_predictive_density` or `sample_class_probabilities`.
+
+    Args:
+        model: a keras-dvi model.
+        x: inputs `(n, features)`.
+        num_samples: weight samples (positive integer).
+        batch_size: rows per forward pass (default: `model.predict`'s for sampled models, all
+            rows at once for moment models).
+        verbose: `model.predict` verbosity (sampled models).
+        seed: integer seed for reproducible draws, or `None`.
     """
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-        raise ValueError(f"Argument `num_samples` must be a positive integer; received {num_samples!r}.")
-    first = _sampling_head(model)
+    num_samples = validation.positive_integer("num_samples", num_samples)
+    first = sampling_layer(model)
+    if first is None:
+        if batch_size is None:
+            return sampling.weight_samples(model, x, num_samples, seed=seed)
+        batch_size = validation.positive_integer("batch_size", batch_size)
+        x = np.asarray(x)
+        return np.concatenate([sampling.weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
+                               for i in range(0, len(x), batch_size)], axis=0)
+    if seed is not None:
+        set_sampling_seed(model, seed)
     previous = first.num_samples
     first.num_samples = num_samples
     model.predict_function = None  # retrace with the new sample count
@@ -114,7 +140,8 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0):
 
 
 def set_sampling_seed(model, seed):
-    """Restarts the weight draws of every `GlobalInducingDense` layer of `model` from `seed`.
+    """Restarts the weight draws of every sampling layer of `model` (`GlobalInducingDense`,
+    `DenseMCVI`) from `seed`.
 
     Seed generator states are not part of a saved `.keras` file; after `set_sampling_seed`
     with the same seed, a model and its saved-and-loaded copy draw the same weights, so
@@ -122,6 +149,7 @@ def set_sampling_seed(model, seed):
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"Argument `seed` must be an integer; received {seed!r}.")
-    for i, layer in enumerate(global_inducing_layers(model)):
+    layers = [layer for layer in network.layers_of(model) if hasattr(layer, "seed_generator")]
+    for i, layer in enumerate(layers):
         state = layer.seed_generator.state
         layer.seed_generator.state.assign(np.array([seed + 7919 * i, 0], dtype=state.dtype))

@@ -1,14 +1,17 @@
 """Monte Carlo reference: run a keras-dvi model with weights drawn from the posterior.
 
-`sample_outputs` is the independent oracle that the deterministic moments are tested
-against, and a tool for users to see how good the Gaussian approximation is on their own
-model. While it runs, every keras-dvi layer switches from moment propagation to ordinary
-forward passes with sampled weights (a sample axis in front of the batch axis).
+`weight_samples` (public as `keras_dvi.predict_samples` for moment networks) is the
+independent oracle that the deterministic moments are tested against, and a tool for users
+to see how good the Gaussian approximation is on their own model. While it runs, every
+keras-dvi layer switches from moment propagation to ordinary forward passes with sampled
+weights (internally a sample axis in front of the batch axis; the result is returned as
+`(batch, samples, units)`, the one sample-axis convention of keras-dvi).
 """
 
 import contextlib
 import math
 import threading
+import warnings
 
 import keras
 import numpy as np
@@ -51,7 +54,7 @@ def _largest_kernel(model):
     return max(sizes, default=1)
 
 
-def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
+def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     """Output samples of `model` under weights drawn from the variational posterior.
 
     Every keras-dvi layer draws its kernel and bias from its factorised Gaussian posterior,
@@ -69,13 +72,13 @@ def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
             about 25 million numbers.
 
     Returns:
-        NumPy array of shape `(num_samples, batch, units)`: the output pre-activations or
+        NumPy array of shape `(batch, num_samples, units)`: the output pre-activations or
         activations of the last layer, as the deterministic layers describe them.
 
     Example:
 
-    >>> samples = keras_dvi.sample_outputs(model, x, num_samples=20000, seed=0)
-    >>> mc_mean, mc_var = samples.mean(0), samples.var(0)
+    >>> samples = keras_dvi.predict_samples(model, x, num_samples=20000, seed=0)
+    >>> mc_mean, mc_var = samples.mean(1), samples.var(1)
     """
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(
@@ -104,9 +107,23 @@ def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
         out = ops.convert_to_numpy(out)
         if out.ndim != 3 or out.shape[0] != size:
             raise ValueError(
-                "`sample_outputs` needs a model built from keras-dvi layers: its output had "
+                "Monte Carlo over the weights needs a model built from keras-dvi layers: its output had "
                 f"shape {out.shape}, expected (samples, batch, units)."
             )
         chunks.append(out)
         remaining -= size
-    return np.concatenate(chunks, axis=0)
+    return np.swapaxes(np.concatenate(chunks, axis=0), 0, 1)
+
+
+def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
+    """Deprecated: `keras_dvi.predict_samples(model, x, num_samples, seed=seed)`, which returns
+    the same draws as `(batch, samples, units)`, the layout of every other sampled output.
+    This returns them as `(num_samples, batch, units)`, as it always did."""
+    warnings.warn(
+        "keras_dvi.sample_outputs is deprecated: use keras_dvi.predict_samples(model, x, "
+        "num_samples, seed=seed), which returns the same draws as (batch, samples, units) "
+        "(reduce over axis 1, not 0).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return np.swapaxes(weight_samples(model, x, num_samples, seed, chunk_size), 0, 1)

@@ -112,6 +112,13 @@ def positive_number(name, value):
     return float(value)
 
 
+def positive_integer(name, value, meaning=""):
+    """`value` unless it is not a positive integer (`ValueError` naming `name`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"Argument `{name}` must be a positive integer{meaning}; received {value!r}.")
+    return int(value)
+
+
 def non_negative_integer(name, value, meaning=""):
     """`value` unless it is not a non-negative integer (`ValueError` naming `name`)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:

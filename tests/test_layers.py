@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dvi
-from keras_dvi import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI, sample_outputs, unpack
+from keras_dvi import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI, predict_samples, sampling, unpack
 from tests.conftest import model_gradients, to_numpy
 
 LAYER_FACTORIES = {
@@ -253,24 +253,31 @@ def test_set_posterior_errors():
         layer.set_posterior(np.zeros((2, 3)), 1.0, bias_variance=np.zeros(3))
 
 
-def test_sample_outputs_errors_and_reproducibility():
+def test_predict_samples_of_a_moment_network_errors_and_reproducibility():
+    """Monte Carlo over the weights of a DVI network, `(batch, samples, units)` like every
+    sampled output; the deprecated `sample_outputs` returns the same draws sample-first."""
     model = keras.Sequential([keras.Input((3,)), DenseDVI(4, "relu"), DenseDVI(1)])
     x = _x()
     with pytest.raises(ValueError, match="num_samples"):
-        sample_outputs(model, x, 0)
+        predict_samples(model, x, 0)
     with pytest.raises(ValueError, match="x"):
-        sample_outputs(model, np.zeros((2, 3, 3), "float32"), 5)
-    a = sample_outputs(model, x, 50, seed=3, chunk_size=7)
-    b = sample_outputs(model, x, 50, seed=3)
-    c = sample_outputs(model, x, 50, seed=4)
-    assert a.shape == (50, 5, 1)
-    np.testing.assert_array_equal(a[:7], b[:7])  # same seed, same first chunk
+        predict_samples(model, np.zeros((2, 3, 3), "float32"), 5)
+    a = sampling.weight_samples(model, x, 50, seed=3, chunk_size=7)
+    b = predict_samples(model, x, 50, seed=3)
+    c = predict_samples(model, x, 50, seed=4)
+    assert a.shape == b.shape == (5, 50, 1)
+    np.testing.assert_array_equal(a[:, :7], b[:, :7])  # same seed, same first chunk
     assert np.abs(a - c).max() > 0
+    # Rows in batches draw the same weights (the seed restarts per batch): the same samples.
+    np.testing.assert_allclose(predict_samples(model, x, 50, seed=3, batch_size=2), b, rtol=1e-5, atol=1e-6)
+    with pytest.warns(DeprecationWarning, match="predict_samples"):
+        old = keras_dvi.sample_outputs(model, x, 50, seed=3)
+    np.testing.assert_array_equal(old, np.swapaxes(b, 0, 1))
     # The same weights are used for every row of x within one sample: a linear model's
     # samples are exactly affine in x.
     lin = keras.Sequential([keras.Input((1,)), DenseDVI(1)])
-    s = sample_outputs(lin, np.array([[0.0], [1.0], [2.0]], "float32"), 10, seed=0)[..., 0]
-    np.testing.assert_allclose(s[:, 2] - s[:, 1], s[:, 1] - s[:, 0], atol=1e-5)
+    s = predict_samples(lin, np.array([[0.0], [1.0], [2.0]], "float32"), 10, seed=0)[..., 0]
+    np.testing.assert_allclose(s[2] - s[1], s[1] - s[0], atol=1e-5)
 
 
 # ------------------------------------------------------------------ config and saving
@@ -399,5 +406,5 @@ def test_trains_with_model_fit_on_packed_outputs():
 
 def test_public_api():
     assert keras_dvi.__version__
-    for name in ("DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "unpack", "sample_outputs"):
+    for name in ("DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "unpack", "predict_samples", "sample_outputs"):
         assert hasattr(keras_dvi, name)

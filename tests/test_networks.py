@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_dvi import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI, sample_outputs, unpack
+from keras_dvi import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI, predict_samples, unpack
 from tests.conftest import to_numpy
 
 N_SAMPLES = 20_000
@@ -27,7 +27,7 @@ def _inputs(batch=6, features=3, seed=0):
 
 def _dvi_and_mc(model, x, n=N_SAMPLES):
     mean, cov = unpack(model(x), covariance="full")
-    samples = sample_outputs(model, x, n, seed=7)
+    samples = np.swapaxes(predict_samples(model, x, n, seed=7), 0, 1)  # (n, batch, units)
     return to_numpy(mean), to_numpy(cov), samples.astype("float64")
 
 

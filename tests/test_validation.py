@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_dvi import DenseDiagDVI, DenseDVI, HeteroscedasticELL, SkipDVI, SoftmaxDeltaELL, sample_outputs
+from keras_dvi import DenseDiagDVI, DenseDVI, HeteroscedasticELL, SkipDVI, SoftmaxDeltaELL, predict_samples
 from keras_dvi.packing import pack
 
 
@@ -62,7 +62,7 @@ def test_losses_refuse_non_finite_targets_and_outputs():
     with pytest.raises(ValueError, match="y_pred"):
         SoftmaxDeltaELL()(np.array([0, 1, 1]), bad_pred)
     with pytest.raises(ValueError, match="`x`"):
-        sample_outputs(keras.Sequential([keras.Input((2,)), DenseDVI(1)]), np.array([[np.nan, 0.0]], "float32"), 3)
+        predict_samples(keras.Sequential([keras.Input((2,)), DenseDVI(1)]), np.array([[np.nan, 0.0]], "float32"), 3)
 
 
 @pytest.mark.tensorflow_only  # graph-mode checks are TensorFlow assertions

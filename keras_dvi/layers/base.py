@@ -2,7 +2,7 @@
 
 `BayesianLayer` owns the variational posterior `q(W) q(b)` (independent Gaussians, stored as
 means and log standard deviations), its initialisation and introspection, the sampling
-forward pass used by `keras_dvi.sample_outputs`, and configuration. Subclasses implement
+forward pass used by `keras_dvi.predict_samples`, and configuration. Subclasses implement
 `_moments(mean, second, kind)` with the pure functions of `keras_dvi.moments`.
 """
 
