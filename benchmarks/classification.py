@@ -212,7 +212,7 @@ def train(method, x, y, classes, seed, args):
         """`{method: probabilities}`; `"default"` is what the recipe reports."""
         if method == "mcvi":
             samples = kd.predict_samples(model, inputs, MCVI_TEST_SAMPLES)
-            return {"default": np.asarray(kd.predictive.sample_class_probabilities(samples))}
+            return {"default": np.asarray(kd.predictive.sampled_class_probabilities(samples))}
         out = model.predict(inputs, verbose=0)
         probs = {m: np.asarray(kd.predictive.class_probabilities(out, method=m, seed=0))
                  for m in kd.predictive.CLASS_PROBABILITY_METHODS}

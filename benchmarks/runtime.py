@@ -93,7 +93,7 @@ def network_times(width, batch, in_dim, steps, kinds=None, jit=False):
                           kd.DenseDiagDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
         "MCVI S=10": (lambda: [kd.DenseMCVI(width, "relu", num_samples=10, regularizer=prior),
                                kd.DenseMCVI(width, "relu", regularizer=prior), kd.DenseMCVI(2, regularizer=prior)],
-                      kd.SampledGaussianELL()),
+                      kd.SampledHeteroscedasticELL()),
     }
     runs = [(name, name, False) for name in shapes if kinds is None or name in kinds]
     if jit:

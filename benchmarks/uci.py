@@ -126,8 +126,8 @@ def score(y_pred, data, sampled):
 
     y, scale = data["y_test"], data["y_std"]
     if sampled:
-        ll = predictive.sample_log_predictive_density(y_pred, y, y_scale=scale)
-        mean = np.asarray(predictive.sample_regression_moments(y_pred)["mean"])[:, 0]
+        ll = predictive.sampled_log_predictive_density(y_pred, y, y_scale=scale)
+        mean = np.asarray(predictive.sampled_regression_moments(y_pred)["mean"])[:, 0]
         rmse = float(np.sqrt(np.mean((mean - y) ** 2)) * scale)
     else:
         ll = predictive.log_predictive_density(y_pred, y, y_scale=scale)
@@ -158,7 +158,7 @@ def build(method, input_dim, num_train, args):
             kd.GlobalInducingDense(1, output_layer=True, precision=args.gi_precision),
             kd.SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0),
         ])
-        model.compile(keras.optimizers.Adam(args.gi_lr), loss=kd.SampledGaussianELL(),
+        model.compile(keras.optimizers.Adam(args.gi_lr), loss=kd.SampledHeteroscedasticELL(),
                       steps_per_execution=args.steps_per_execution)
         return model
     warmup = kl_warmup_steps(method, args)
@@ -170,7 +170,7 @@ def build(method, input_dim, num_train, args):
     if method == "mcvi":
         layers += [kd.DenseMCVI(w, "relu", num_samples=args.mcvi_samples, regularizer=prior) for w in args.hidden]
         layers.append(kd.DenseMCVI(2, regularizer=prior))
-        loss = kd.SampledGaussianELL()
+        loss = kd.SampledHeteroscedasticELL()
     else:
         dense = kd.DenseDiagDVI if method == "ddvi" else kd.DenseDVI
         layers += [dense(w, "relu", regularizer=prior) for w in args.hidden]

@@ -5,7 +5,7 @@ Public API:
 * layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`, and the
   Monte Carlo baseline `DenseMCVI`;
 * global inducing points: `GlobalInducingDense`, `SampledHomoscedasticNoise`, the losses
-  `SampledGaussianELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
+  `SampledHeteroscedasticELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
   `initialize_from_data(model, x, y)` and `set_sampling_seed(model, seed)`;
 * losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
   `GaussianPriorRegularizer` (each with `num_train`, `kl_weight` and `kl_warmup_steps`); the
@@ -37,7 +37,8 @@ _EXPORTS = {
     "TargetScaling": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
     "SampledHomoscedasticNoise": "keras_dvi.layers",
-    "SampledGaussianELL": "keras_dvi.losses",
+    "SampledHeteroscedasticELL": "keras_dvi.losses",
+    "SampledGaussianELL": "keras_dvi.losses",  # deprecated name
     "SampledSoftmaxELL": "keras_dvi.losses",
     "NealPrior": "keras_dvi.priors",
     "StandardPrior": "keras_dvi.priors",

@@ -1,10 +1,9 @@
 """Keras callbacks for keras-dvi training."""
 
-import warnings
 
 import keras
 
-from keras_dvi import network, objective, validation
+from keras_dvi import deprecation, network, objective, validation
 from keras_dvi.layers.reporting import ELBOReportingLayer
 
 
@@ -27,12 +26,10 @@ class KLWarmup(keras.callbacks.Callback):
         super().__init__()
         delay_steps = validation.non_negative_integer("delay_steps", delay_steps)
         warmup_steps = validation.non_negative_integer("warmup_steps", warmup_steps)
-        warnings.warn(
-            "keras_dvi.KLWarmup is deprecated: the KL warm-up is part of the prior and on by "
-            "default; pass `kl_warmup_steps=` to EmpiricalBayesRegularizer / "
-            "GaussianPriorRegularizer instead of the callback.",
-            DeprecationWarning,
-            stacklevel=2,
+        deprecation.warn(
+            "KLWarmup",
+            "the KL warm-up is part of the prior and on by default; pass `kl_warmup_steps=` to "
+            "EmpiricalBayesRegularizer / GaussianPriorRegularizer instead of the callback.",
         )
         self.delay_steps = delay_steps
         self.warmup_steps = warmup_steps

@@ -106,8 +106,8 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
       drawn from its posterior (`keras_dvi.sampling.weight_samples`; the same weights for
       every row of `x`, so each sample is one function); `seed` seeds the draws.
 
-    The result is ready for `keras_dvi.predictive.sample_regression_moments`,
-    `sample_log_predictive_density` or `sample_class_probabilities`.
+    The result is ready for `keras_dvi.predictive.sampled_regression_moments`,
+    `sampled_log_predictive_density` or `sampled_class_probabilities`.
 
     Args:
         model: a keras-dvi model.

@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, objective, packing, validation
+from keras_dvi import deprecation, moments, objective, packing, validation
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -180,7 +180,7 @@ def _samples(y_pred, name, y_true):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SampledGaussianELL(_ValidatingLoss):
+class SampledHeteroscedasticELL(_ValidatingLoss):
     """Monte Carlo negative expected Gaussian log-likelihood over output samples.
 
     For samples `f_s` of the function and log noise variances `l_s` (`S` samples), the
@@ -198,23 +198,26 @@ class SampledGaussianELL(_ValidatingLoss):
 
     Example:
 
-    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledGaussianELL())
+    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
+
+    The sampled counterpart of `HeteroscedasticELL` (formerly `SampledGaussianELL`).
     """
 
-    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_gaussian_ell", dtype=None):
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_heteroscedastic_ell",
+                 dtype=None):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        y_pred = _samples(y_pred, "SampledGaussianELL", y_true)
+        y_pred = _samples(y_pred, "SampledHeteroscedasticELL", y_true)
         units = y_pred.shape[-1]
         if units is None or units % 2:
             raise ValueError(
-                "SampledGaussianELL needs output samples with an even number of units, 2 D (D "
+                "SampledHeteroscedasticELL needs output samples with an even number of units, 2 D (D "
                 f"function values, then D log noise variances); received {units} units. Add "
                 "keras_dvi.SampledHomoscedasticNoise() after the output layer."
             )
         dims = units // 2
-        y = ops.cast(validation.regression_targets(y_true, dims, "SampledGaussianELL"), y_pred.dtype)
+        y = ops.cast(validation.regression_targets(y_true, dims, "SampledHeteroscedasticELL"), y_pred.dtype)
         y = validation.check_finite(y, "y_true", self.validate)
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         f, log_var = y_pred[..., :dims], y_pred[..., dims:]
@@ -223,6 +226,16 @@ class SampledGaussianELL(_ValidatingLoss):
         nll = ops.mean(ops.sum(nll, axis=-1), axis=-1)
         _report(nll)
         return nll
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class SampledGaussianELL(SampledHeteroscedasticELL):
+    """Deprecated name of `SampledHeteroscedasticELL` (models saved with it still load)."""
+
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_gaussian_ell", dtype=None):
+        deprecation.warn("SampledGaussianELL", "use keras_dvi.SampledHeteroscedasticELL, the same loss "
+                         "under the name that pairs it with HeteroscedasticELL.")
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

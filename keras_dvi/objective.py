@@ -91,7 +91,7 @@ class ELBOTracker(keras.metrics.Metric):
                 "rows, or weight samples) as if it were a prediction, e.g. `loss=\"mse\"` on a "
                 "DVI output, and its `nll` is not logged. Compile with a keras-dvi loss: "
                 "`keras_dvi.HeteroscedasticELL()` (regression) or `keras_dvi.SoftmaxDeltaELL()` "
-                "(classification); `SampledGaussianELL` / `SampledSoftmaxELL` for sampled layers. "
+                "(classification); `SampledHeteroscedasticELL` / `SampledSoftmaxELL` for sampled layers. "
                 "(A custom loss that reads the moments with `keras_dvi.unpack` is legitimate.)",
                 UserWarning,
                 stacklevel=3,

@@ -8,7 +8,7 @@ from keras_dvi.global_inducing import predict_samples, sampling_layer
 REGRESSION, CLASSIFICATION = "regression", "classification"
 _TASK_OF_LOSS = {
     losses.HeteroscedasticELL: REGRESSION,
-    losses.SampledGaussianELL: REGRESSION,
+    losses.SampledHeteroscedasticELL: REGRESSION,
     losses.SoftmaxDeltaELL: CLASSIFICATION,
     losses.SampledSoftmaxELL: CLASSIFICATION,
 }
@@ -33,7 +33,7 @@ def _task(model, task):
 def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, probability_method="mean"):
     """Predictions of a keras-dvi model, as a dict of NumPy arrays.
 
-    Regression (a `HeteroscedasticELL` / `SampledGaussianELL` model, in the targets' own units
+    Regression (a `HeteroscedasticELL` / `SampledHeteroscedasticELL` model, in the targets' own units
     when it ends in `TargetScaling`), each `(n, D)`:
 
     * `mean`, `std` and `variance` of the predictive distribution (eq. 9),
@@ -77,13 +77,13 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         y_pred = model.predict(x, batch_size=batch_size, verbose=0)
     if task == CLASSIFICATION:
         if sampled:
-            probs = np.asarray(predictive.sample_class_probabilities(y_pred))
+            probs = np.asarray(predictive.sampled_class_probabilities(y_pred))
         else:
             probs = np.asarray(predictive.class_probabilities(y_pred, method=probability_method))
         entropy = -np.sum(probs * np.log(probs), axis=-1)
         return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
     if sampled:
-        parts = predictive.sample_regression_moments(y_pred)
+        parts = predictive.sampled_regression_moments(y_pred)
     else:
         parts = predictive.regression_moments(y_pred)
     out = {name: np.asarray(value) for name, value in parts.items()}

@@ -14,7 +14,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, validation
+from keras_dvi import deprecation, moments, packing, validation
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -212,7 +212,7 @@ def _sample_axis(samples, name="samples"):
     return samples
 
 
-def sample_regression_moments(samples):
+def sampled_regression_moments(samples):
     """Predictive mean and variance from sampled regression outputs.
 
     Args:
@@ -238,7 +238,7 @@ def sample_regression_moments(samples):
     return {"mean": mean, "variance": epistemic + aleatoric, "epistemic": epistemic, "aleatoric": aleatoric}
 
 
-def sample_log_predictive_density(samples, y, y_scale=1.0):
+def sampled_log_predictive_density(samples, y, y_scale=1.0):
     """`log (1/S) sum_s N(y | f_s, exp(l_s))`: the Monte Carlo predictive log density, summed
     over target dimensions, in original units (`- D log(y_scale)`).
 
@@ -260,7 +260,14 @@ def sample_log_predictive_density(samples, y, y_scale=1.0):
     return ops.logsumexp(log_n, axis=1) - math.log(count) - dims * math.log(y_scale)
 
 
-def sample_class_probabilities(samples):
+def sampled_class_probabilities(samples):
     """Class probabilities `(1/S) sum_s softmax(a_s)` from sampled logits `(batch, S, C)`."""
     samples = _sample_axis(samples)
     return ops.mean(ops.softmax(samples, axis=-1), axis=1)
+
+
+# Former names (deprecated): the sampled family is named `sampled_*`, as `Sampled*` classes are.
+sample_regression_moments = deprecation.renamed(sampled_regression_moments, "predictive.sample_regression_moments")
+sample_log_predictive_density = deprecation.renamed(sampled_log_predictive_density,
+                                                    "predictive.sample_log_predictive_density")
+sample_class_probabilities = deprecation.renamed(sampled_class_probabilities, "predictive.sample_class_probabilities")

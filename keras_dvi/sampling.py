@@ -11,13 +11,12 @@ weights (internally a sample axis in front of the batch axis; the result is retu
 import contextlib
 import math
 import threading
-import warnings
 
 import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import validation
+from keras_dvi import deprecation, validation
 
 _STATE = threading.local()
 
@@ -119,11 +118,9 @@ def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
     """Deprecated: `keras_dvi.predict_samples(model, x, num_samples, seed=seed)`, which returns
     the same draws as `(batch, samples, units)`, the layout of every other sampled output.
     This returns them as `(num_samples, batch, units)`, as it always did."""
-    warnings.warn(
-        "keras_dvi.sample_outputs is deprecated: use keras_dvi.predict_samples(model, x, "
-        "num_samples, seed=seed), which returns the same draws as (batch, samples, units) "
-        "(reduce over axis 1, not 0).",
-        DeprecationWarning,
-        stacklevel=2,
+    deprecation.warn(
+        "sample_outputs",
+        "use keras_dvi.predict_samples(model, x, num_samples, seed=seed), which returns the "
+        "same draws as (batch, samples, units) (reduce over axis 1, not 0).",
     )
     return np.swapaxes(weight_samples(model, x, num_samples, seed, chunk_size), 0, 1)

@@ -200,7 +200,7 @@ def _train_toy(steps, seed=1):
         100, 40, hidden=(50, 50), samples=10, seed=seed,
         head=[kd.SampledHomoscedasticNoise(float(np.log(9.0 / ys**2)), trainable=False)],
     )
-    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL())
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL())
     kd.initialize_from_data(model, xn, yn, seed=0)
     data = tf.data.Dataset.from_tensor_slices((xn, yn)).batch(40).repeat()
     history = model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
@@ -218,7 +218,7 @@ def test_toy_in_between_uncertainty(trained_toy):
     grid = np.array([-3.5, -3.0, -2.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.5, 3.0, 3.5])[:, None]
     samples = kd.predict_samples(model, ((grid - xm) / xs).astype("float32"), 400)
     assert samples.shape == (11, 400, 2)
-    sd = np.sqrt(ops.convert_to_numpy(predictive.sample_regression_moments(samples)["epistemic"]))[:, 0]
+    sd = np.sqrt(ops.convert_to_numpy(predictive.sampled_regression_moments(samples)["epistemic"]))[:, 0]
     at_data = sd[np.abs(grid[:, 0]) >= 2].mean()
     in_gap = sd[np.abs(grid[:, 0]) <= 1].mean()
     # Measured 2.5 after 400 steps (3.7 after 1000 epochs); a factorised posterior gives ~1.
@@ -234,7 +234,7 @@ def test_training_is_finite_and_reports_kl(trained_toy):
     assert history.history["loss"][-1] == pytest.approx(history.history["nll"][-1] + history.history["kl"][-1], rel=1e-4)
     for v in model.weights:
         assert np.isfinite(ops.convert_to_numpy(v)).all(), v.path
-    _, grads = model_gradients(model, xn, lambda out: kd.SampledGaussianELL()(yn, out), training=True)
+    _, grads = model_gradients(model, xn, lambda out: kd.SampledHeteroscedasticELL()(yn, out), training=True)
     assert all(g is not None and np.isfinite(g).all() for g in grads)
 
 
@@ -268,7 +268,7 @@ def test_per_unit_precision_and_classification_train():
     history = model.fit(x, labels, epochs=60, batch_size=64, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert history.history["loss"][-1] < history.history["loss"][0]
-    probs = ops.convert_to_numpy(predictive.sample_class_probabilities(kd.predict_samples(model, x, 32)))
+    probs = ops.convert_to_numpy(predictive.sampled_class_probabilities(kd.predict_samples(model, x, 32)))
     np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-5)
     assert (probs.argmax(axis=1) == labels).mean() > 0.7
 
@@ -306,11 +306,11 @@ def test_xla_trains_and_matches_the_graph_predictive():
     y = x[:, :1] ** 2
     keras.utils.set_random_seed(4)
     model = _build(8, 20, hidden=(8,), features=2, samples=2, head=[kd.SampledHomoscedasticNoise()])
-    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL(), jit_compile=True)
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL(), jit_compile=True)
     history = model.fit(x, y, epochs=20, batch_size=10, verbose=0).history
     assert np.isfinite(history["loss"]).all() and history["loss"][-1] < history["loss"][0]
     xla = kd.predict_samples(model, x[:4], 4000)[..., 0]
-    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL(), jit_compile=False)
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL(), jit_compile=False)
     graph = kd.predict_samples(model, x[:4], 4000)[..., 0]
     se = np.sqrt((xla.var(axis=1) + graph.var(axis=1)) / 4000)
     assert np.all(np.abs(xla.mean(axis=1) - graph.mean(axis=1)) < 5 * se)
@@ -371,13 +371,13 @@ def test_loss_errors_name_the_problem():
     x = np.zeros((5, 1), dtype="float32")
     not_output = keras.Sequential([keras.Input((1,)), kd.GlobalInducingDense(2, num_inducing=3, num_train=5)])
     with pytest.raises(ValueError, match="output_layer=True"):
-        kd.SampledGaussianELL()(x, not_output(x))
+        kd.SampledHeteroscedasticELL()(x, not_output(x))
     with pytest.raises(ValueError, match="even number"):
-        kd.SampledGaussianELL()(x, np.zeros((5, 2, 3), "float32"))
+        kd.SampledHeteroscedasticELL()(x, np.zeros((5, 2, 3), "float32"))
     with pytest.raises(ValueError, match=r"\(batch, samples, units\)"):
         kd.SampledSoftmaxELL()(x, np.zeros((5, 3), "float32"))
     with pytest.raises(ValueError, match="y_true"):
-        kd.SampledGaussianELL()(np.full((5, 1), np.nan, "float32"), np.zeros((5, 2, 2), "float32"))
+        kd.SampledHeteroscedasticELL()(np.full((5, 1), np.nan, "float32"), np.zeros((5, 2, 2), "float32"))
 
 
 def test_sampled_losses_and_predictive_match_hand_computation():
@@ -387,11 +387,11 @@ def test_sampled_losses_and_predictive_match_hand_computation():
     y = rng.standard_normal((4, 1))
     out = np.concatenate([f, log_var], axis=-1)
     dens = stats.norm(f, np.sqrt(np.exp(log_var))).logpdf(y[:, None, :])[..., 0]  # (4, 5)
-    nll = ops.convert_to_numpy(kd.SampledGaussianELL(reduction=None)(y, out))
+    nll = ops.convert_to_numpy(kd.SampledHeteroscedasticELL(reduction=None)(y, out))
     np.testing.assert_allclose(nll, -dens.mean(axis=1), rtol=1e-6)
-    lpd = ops.convert_to_numpy(predictive.sample_log_predictive_density(out, y, y_scale=2.0))
+    lpd = ops.convert_to_numpy(predictive.sampled_log_predictive_density(out, y, y_scale=2.0))
     np.testing.assert_allclose(lpd, np.log(np.exp(dens).mean(axis=1)) - math.log(2.0), rtol=1e-6)
-    mom = predictive.sample_regression_moments(out)
+    mom = predictive.sampled_regression_moments(out)
     np.testing.assert_allclose(ops.convert_to_numpy(mom["variance"])[:, 0], f[..., 0].var(axis=1) + np.exp(log_var[..., 0]).mean(axis=1), rtol=1e-6)
     logits = rng.standard_normal((4, 5, 3))
     labels = np.array([0, 2, 1, 1])

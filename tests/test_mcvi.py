@@ -70,12 +70,12 @@ def test_trains_saves_and_predicts_samples(tmp_path):
         kd.DenseMCVI(32, "relu", num_samples=4, regularizer=prior, seed=1),
         kd.DenseMCVI(2, regularizer=prior, seed=2, local_reparameterization=True),
     ])
-    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL())
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL())
     history = model.fit(x, y, epochs=60, batch_size=32, verbose=0).history
     assert np.isfinite(history["loss"]).all() and history["loss"][-1] < history["loss"][0]
     samples = kd.predict_samples(model, x, 50)
     assert samples.shape == (128, 50, 2)
-    assert float(np.mean(predictive.sample_log_predictive_density(samples, y))) > 0.0  # noise sd 0.1
+    assert float(np.mean(predictive.sampled_log_predictive_density(samples, y))) > 0.0  # noise sd 0.1
     path = tmp_path / "mcvi.keras"
     model.save(path)
     loaded = keras.saving.load_model(path)
@@ -104,7 +104,7 @@ def test_predict_summarises_a_sampled_model():
     prior = kd.EmpiricalBayesRegularizer(30)
     model = keras.Sequential([keras.Input((2,)), kd.DenseMCVI(8, "relu", num_samples=4, regularizer=prior, seed=1),
                               kd.DenseMCVI(2, regularizer=prior, seed=2)])
-    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL())
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL())
     model.fit(x, y, epochs=2, verbose=0)
     out = kd.predict(model, x, num_samples=2000)
     assert out["mean"].shape == (30, 1) and np.isfinite(out["std"]).all()

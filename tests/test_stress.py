@@ -61,8 +61,8 @@ def _gi_model(x, method):
             kd.SampledHomoscedasticNoise(),
         ]
     )
-    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledGaussianELL())
-    return model, kd.SampledGaussianELL()
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL())
+    return model, kd.SampledHeteroscedasticELL()
 
 
 @pytest.mark.parametrize(

@@ -257,7 +257,7 @@ def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
     model = keras.Sequential([keras.Input((2,)),
                               kd.GlobalInducingDense(4, "relu", num_inducing=5, num_train=64, num_samples=2),
                               kd.GlobalInducingDense(1, output_layer=True), kd.SampledHomoscedasticNoise()])
-    model.compile(keras.optimizers.SGD(0.0), loss=kd.SampledGaussianELL())
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.SampledHeteroscedasticELL())
     with pytest.warns(DeprecationWarning):
         warmup = kd.KLWarmup(delay_steps=2)
     history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[warmup]).history

@@ -20,7 +20,7 @@ class DenseMCVI(DenseBase):
     gradient variance, but draws are independent across the examples of a batch.
 
     Outputs carry a sample axis, like `GlobalInducingDense`, so the same losses apply:
-    `SampledGaussianELL` with a `2 D`-unit head (means, then log noise variances) or with
+    `SampledHeteroscedasticELL` with a `2 D`-unit head (means, then log noise variances) or with
     `SampledHomoscedasticNoise`, and `SampledSoftmaxELL` for classification.
 
     Args:
@@ -46,7 +46,7 @@ class DenseMCVI(DenseBase):
     ...     DenseMCVI(50, "relu", num_samples=10, regularizer=prior),
     ...     DenseMCVI(2, regularizer=prior),
     ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-3), loss=SampledGaussianELL())
+    >>> model.compile(keras.optimizers.Adam(1e-3), loss=SampledHeteroscedasticELL())
     """
 
     def __init__(self, units, activation=None, num_samples=10, local_reparameterization=False, seed=None, **kwargs):

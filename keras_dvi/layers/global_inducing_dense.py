@@ -91,7 +91,7 @@ class GlobalInducingDense(ELBOReportingLayer):
     ...     GlobalInducingDense(1, output_layer=True),
     ...     SampledHomoscedasticNoise(),
     ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledGaussianELL())
+    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
     >>> initialize_from_data(model, x, y)
     >>> model.fit(x, y, epochs=100)
     """

@@ -26,7 +26,7 @@ class SampledHomoscedasticNoise(LearnedLogVariance):
 
     Output shape:
         `(batch, samples, 2 D)`: the `D` function values, then the `D` log noise variances
-        (the layout `SampledGaussianELL` reads).
+        (the layout `SampledHeteroscedasticELL` reads).
 
     Example:
 
