@@ -152,8 +152,8 @@ def build(method, input_dim, num_train, args):
     if method == "gi":
         model = keras.Sequential([
             keras.Input((input_dim,)),
-            kd.GlobalInducingDense(50, "relu", num_inducing=args.inducing, num_train=num_train,
-                                   num_samples=10, precision=args.gi_precision),
+            kd.GlobalInducingDense(50, "relu", num_inducing=args.inducing, num_samples=10,
+                                   precision=args.gi_precision, regularizer=kd.NealPrior(num_train=num_train)),
             kd.GlobalInducingDense(50, "relu", precision=args.gi_precision),
             kd.GlobalInducingDense(1, output_layer=True, precision=args.gi_precision),
             kd.SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0),

@@ -254,7 +254,7 @@ class SampledSoftmaxELL(_ValidatingLoss):
     Example:
 
     >>> model = keras.Sequential([keras.Input((64,)),
-    ...     GlobalInducingDense(50, "relu", num_inducing=100, num_train=len(x)),
+    ...     GlobalInducingDense(50, "relu", num_inducing=100, regularizer=NealPrior(num_train=len(x))),
     ...     GlobalInducingDense(10, output_layer=True)])
     >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledSoftmaxELL())
     """

@@ -33,8 +33,12 @@ def gaussian_kl(mean, variance, prior_variance):
 DEFAULT_KL_WARMUP_STEPS = 1000
 
 
-class PriorRegularizer:
-    """Base class: a prior whose KL to a factorised Gaussian posterior has a closed form.
+class KLSettings:
+    """How a prior's KL enters the objective: `num_train`, `kl_weight`, `kl_warmup_steps`.
+
+    The base of every keras-dvi prior (the closed-form `PriorRegularizer`s of DVI and MCVI
+    layers, the `WeightPrior`s of `GlobalInducingDense`), so each layer takes its prior, and
+    with it these settings, in one argument: `regularizer=`.
 
     Args:
         num_train: number of training examples `N`; the KL is divided by it.
@@ -51,19 +55,11 @@ class PriorRegularizer:
     """
 
     def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
-        self.num_train = validation.num_train(num_train)
+        self.num_train = None if num_train is None else validation.num_train(num_train)
         self.kl_weight = validation.positive_number("kl_weight", kl_weight)
         self.kl_warmup_steps = validation.non_negative_integer(
             "kl_warmup_steps", kl_warmup_steps, " (training steps over which the KL weight rises from 0; 0: no warm-up)"
         )
-
-    def kl(self, mean, variance, fan_in):
-        """KL divergence of one weight set (all entries of `mean` / `variance`)."""
-        raise NotImplementedError
-
-    def __call__(self, mean, variance, fan_in):
-        """The weight set's contribution to `-ELBO / N`: `KL / num_train`."""
-        return self.kl(mean, variance, fan_in) / float(self.num_train)
 
     def get_config(self):
         return {
@@ -75,6 +71,23 @@ class PriorRegularizer:
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+class PriorRegularizer(KLSettings):
+    """Base class: a prior whose KL to a factorised Gaussian posterior has a closed form
+    (`KLSettings` holds `num_train`, `kl_weight` and `kl_warmup_steps`; `num_train` is
+    required)."""
+
+    def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+        super().__init__(validation.num_train(num_train), kl_weight, kl_warmup_steps)
+
+    def kl(self, mean, variance, fan_in):
+        """KL divergence of one weight set (all entries of `mean` / `variance`)."""
+        raise NotImplementedError
+
+    def __call__(self, mean, variance, fan_in):
+        """The weight set's contribution to `-ELBO / N`: `KL / num_train`."""
+        return self.kl(mean, variance, fan_in) / float(self.num_train)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -149,20 +162,29 @@ class GaussianPriorRegularizer(PriorRegularizer):
         return config
 
 
-class WeightPrior:
+class WeightPrior(KLSettings):
     """Base class of the Gaussian weight priors of `GlobalInducingDense` (Ober & Aitchison,
-    2021, eqs. 14-15): every weight (bias included) is `N(0, 1 / prior_precision(fan_in))`."""
+    2021, eqs. 14-15): every weight (bias included) is `N(0, 1 / prior_precision(fan_in))`.
+
+    Args:
+        num_train: number of training examples `N`; the layer's Monte Carlo KL is divided by
+            it. Required on the first `GlobalInducingDense` layer; a later layer given a prior
+            without it takes the `N` of the layer feeding it.
+        kl_weight: weight of the KL after the warm-up (see `KLSettings`).
+        kl_warmup_steps: length of the KL warm-up in training steps; 0 (the default here:
+            global inducing networks were benchmarked without one, BENCHMARKS.md) turns it off.
+    """
+
+    def __init__(self, num_train=None, kl_weight=1.0, kl_warmup_steps=0):
+        super().__init__(num_train, kl_weight, kl_warmup_steps)
 
     def prior_precision(self, fan_in):
         """The inverse prior variance of every weight of a layer with `fan_in` inputs."""
         raise NotImplementedError
 
-    def get_config(self):
-        return {}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
+    def with_num_train(self, num_train):
+        """A copy of this prior with `num_train` set (the prior itself is left as it is)."""
+        return type(self).from_config({**self.get_config(), "num_train": num_train})
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -194,8 +216,9 @@ def get_weight_prior(identifier):
         if isinstance(obj, WeightPrior):
             return obj
     raise ValueError(
-        "Argument `prior` must be 'neal', 'standard', a keras_dvi.priors.NealPrior or "
-        f"StandardPrior; received {identifier!r}."
+        "Argument `regularizer` of GlobalInducingDense must be a keras_dvi.NealPrior or "
+        f"StandardPrior (e.g. `regularizer=keras_dvi.NealPrior(num_train=len(x_train))`); "
+        f"received {identifier!r}."
     )
 
 

@@ -1,6 +1,9 @@
 """Former names still work, warn with a DeprecationWarning naming the replacement, and compute
 exactly what their replacements compute."""
 
+import warnings
+
+import keras
 import numpy as np
 import pytest
 
@@ -33,3 +36,24 @@ def test_former_sample_functions_of_predictive(old, new, args):
     for key in (got if isinstance(got, dict) else [None]):
         a, b = (got, want) if key is None else (got[key], want[key])
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b))
+
+
+def test_global_inducing_prior_and_num_train_arguments():
+    """`GlobalInducingDense(prior=..., num_train=N)` is `regularizer=<that prior>(num_train=N)`."""
+    with pytest.warns(DeprecationWarning, match=r"regularizer=keras_dvi\.NealPrior\(num_train"):
+        old = kd.GlobalInducingDense(3, num_inducing=4, num_train=20, prior="standard")
+    assert isinstance(old.regularizer, kd.StandardPrior) and old.num_train == 20
+    new = kd.GlobalInducingDense(3, num_inducing=4, regularizer=kd.StandardPrior(num_train=20))
+    assert old.get_config() == {**new.get_config(), "name": old.name}
+    with pytest.raises(ValueError, match="not also in the deprecated"):
+        kd.GlobalInducingDense(3, num_train=20, regularizer=kd.NealPrior(20))
+    # A configuration saved with the former arguments loads, silently, into the new form.
+    config = {**new.get_config(), "num_train": 20, "prior": {"module": "keras_dvi.priors", "class_name": "NealPrior",
+                                                             "config": {}, "registered_name": "keras_dvi>NealPrior"}}
+    del config["regularizer"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = kd.GlobalInducingDense.from_config(config)
+    assert isinstance(loaded.regularizer, kd.NealPrior) and loaded.num_train == 20
+    model = keras.Sequential([keras.Input((2,)), loaded, kd.GlobalInducingDense(1, output_layer=True)])
+    assert model.layers[1].num_train == 20

@@ -146,7 +146,7 @@ def _build(num_inducing, num_train, hidden=(8,), units=1, per_unit=False, sample
     precision = "per_unit" if per_unit else "shared"
     layers = [keras.Input((kw.pop("features", 1),))]
     for i, width in enumerate(hidden):
-        extra = dict(num_inducing=num_inducing, num_train=num_train, num_samples=samples) if i == 0 else {}
+        extra = dict(num_inducing=num_inducing, regularizer=kd.NealPrior(num_train), num_samples=samples) if i == 0 else {}
         layers.append(kd.GlobalInducingDense(width, "relu", precision=precision, seed=seed + i, dtype=dtype, **extra))
     layers.append(kd.GlobalInducingDense(units, output_layer=True, precision=precision, seed=seed + 99, dtype=dtype))
     return keras.Sequential(layers + kw.pop("head", []))
@@ -276,7 +276,7 @@ def test_per_unit_precision_and_classification_train():
 def test_functional_model_float64_and_samples_axis(floatx):
     inputs = keras.Input((3,), dtype="float64")
     h = keras.layers.Dense(4, dtype="float64")(inputs)  # deterministic features first
-    h = kd.GlobalInducingDense(5, "tanh", num_inducing=6, num_train=10, num_samples=3, dtype="float64")(h)
+    h = kd.GlobalInducingDense(5, "tanh", num_inducing=6, regularizer=kd.NealPrior(10), num_samples=3, dtype="float64")(h)
     out = kd.GlobalInducingDense(2, output_layer=True, dtype="float64")(h)
     model = keras.Model(inputs, out)
     x = np.random.default_rng(0).standard_normal((10, 3))
@@ -319,13 +319,15 @@ def test_xla_trains_and_matches_the_graph_predictive():
 
 def test_config_round_trip():
     layer = kd.GlobalInducingDense(
-        7, "relu", num_inducing=5, num_train=30, prior="standard", precision="per_unit",
-        num_samples=2, initial_log_precision=-2.0, log_precision_scale=2.0, seed=3, validate=True,
+        7, "relu", num_inducing=5, regularizer=kd.StandardPrior(30, kl_weight=0.5, kl_warmup_steps=10),
+        precision="per_unit", num_samples=2, initial_log_precision=-2.0, log_precision_scale=2.0, seed=3,
+        validate=True,
     )
     config = layer.get_config()
     clone = kd.GlobalInducingDense.from_config(config)
     assert clone.get_config() == config
-    assert isinstance(clone.prior, kd.StandardPrior)
+    assert isinstance(clone.regularizer, kd.StandardPrior) and clone.num_train == 30
+    assert (clone.regularizer.kl_weight, clone.regularizer.kl_warmup_steps) == (0.5, 10)
     noise = kd.SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0)
     assert kd.SampledHomoscedasticNoise.from_config(noise.get_config()).get_config() == noise.get_config()
 
@@ -335,9 +337,9 @@ def test_config_round_trip():
     [
         (dict(units=0), "units"),
         (dict(units=3, precision="full"), "precision"),
-        (dict(units=3, prior="laplace"), "prior"),
+        (dict(units=3, regularizer="laplace"), "regularizer"),
+        (dict(units=3, regularizer=kd.EmpiricalBayesRegularizer(4)), "NealPrior"),
         (dict(units=3, num_inducing=0), "num_inducing"),
-        (dict(units=3, num_train=-1), "num_train"),
         (dict(units=3, num_samples=0), "num_samples"),
         (dict(units=3, log_precision_scale=0), "log_precision_scale"),
     ],
@@ -347,29 +349,40 @@ def test_bad_constructor_arguments(kwargs, match):
         kd.GlobalInducingDense(**kwargs)
 
 
+def test_weight_prior_arguments():
+    with pytest.raises(ValueError, match="num_train"):
+        kd.NealPrior(num_train=-1)
+    with pytest.raises(ValueError, match="kl_weight"):
+        kd.StandardPrior(4, kl_weight=0)
+    with pytest.raises(ValueError, match="kl_warmup_steps"):
+        kd.NealPrior(4, kl_warmup_steps=-1)
+    assert kd.NealPrior(4).with_num_train(9).num_train == 9
+
+
 def test_wiring_errors():
     with pytest.raises(ValueError, match="num_inducing"):
-        keras.Sequential([keras.Input((2,)), kd.GlobalInducingDense(3, num_train=4)])
-    with pytest.raises(ValueError, match="num_train"):
+        keras.Sequential([keras.Input((2,)), kd.GlobalInducingDense(3, regularizer=kd.NealPrior(4))])
+    with pytest.raises(ValueError, match=r"regularizer=keras_dvi\.NealPrior\(num_train=len\(x_train\)\)"):
         keras.Sequential([keras.Input((2,)), kd.GlobalInducingDense(3, num_inducing=4)])
     with pytest.raises(ValueError, match="output_layer"):
         keras.Sequential([
             keras.Input((2,)),
-            kd.GlobalInducingDense(3, num_inducing=4, num_train=4, output_layer=True),
+            kd.GlobalInducingDense(3, num_inducing=4, regularizer=kd.NealPrior(4), output_layer=True),
             kd.GlobalInducingDense(3),
         ])
     with pytest.raises(ValueError, match="num_train"):
         keras.Sequential([
-            keras.Input((2,)), kd.GlobalInducingDense(3, num_inducing=4, num_train=4), kd.GlobalInducingDense(3, num_train=5),
+            keras.Input((2,)), kd.GlobalInducingDense(3, num_inducing=4, regularizer=kd.NealPrior(4)),
+            kd.GlobalInducingDense(3, regularizer=kd.NealPrior(5)),
         ])
-    layer = kd.GlobalInducingDense(3, num_inducing=4, num_train=4, output_layer=True)
+    layer = kd.GlobalInducingDense(3, num_inducing=4, regularizer=kd.NealPrior(4), output_layer=True)
     with pytest.raises(ValueError, match="inputs"):
         layer(np.array([[np.nan, 1.0]], dtype="float32"))
 
 
 def test_loss_errors_name_the_problem():
     x = np.zeros((5, 1), dtype="float32")
-    not_output = keras.Sequential([keras.Input((1,)), kd.GlobalInducingDense(2, num_inducing=3, num_train=5)])
+    not_output = keras.Sequential([keras.Input((1,)), kd.GlobalInducingDense(2, num_inducing=3, regularizer=kd.NealPrior(5))])
     with pytest.raises(ValueError, match="output_layer=True"):
         kd.SampledHeteroscedasticELL()(x, not_output(x))
     with pytest.raises(ValueError, match="even number"):

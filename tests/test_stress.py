@@ -56,7 +56,7 @@ def _dvi_model(x, method):
 def _gi_model(x, method):
     model = keras.Sequential(
         _front(x) + [
-            kd.GlobalInducingDense(16, "relu", num_inducing=16, num_train=N, num_samples=2),
+            kd.GlobalInducingDense(16, "relu", num_inducing=16, regularizer=kd.NealPrior(N), num_samples=2),
             kd.GlobalInducingDense(1, output_layer=True),
             kd.SampledHomoscedasticNoise(),
         ]

@@ -255,7 +255,7 @@ def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
     One step per epoch, weights frozen: `loss == nll + w * kl` epoch by epoch."""
     x, y = _data(seed=9)
     model = keras.Sequential([keras.Input((2,)),
-                              kd.GlobalInducingDense(4, "relu", num_inducing=5, num_train=64, num_samples=2),
+                              kd.GlobalInducingDense(4, "relu", num_inducing=5, regularizer=kd.NealPrior(64), num_samples=2),
                               kd.GlobalInducingDense(1, output_layer=True), kd.SampledHomoscedasticNoise()])
     model.compile(keras.optimizers.SGD(0.0), loss=kd.SampledHeteroscedasticELL())
     with pytest.warns(DeprecationWarning):
@@ -264,6 +264,23 @@ def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
     weight = np.array([0.0, 0.0, 1.0])
     np.testing.assert_allclose(history["loss"], np.array(history["nll"]) + weight * np.array(history["kl"]), rtol=1e-5)
     assert history["kl"][0] != 0.0
+
+
+def test_global_inducing_layers_take_the_kl_schedule_from_their_prior():
+    """`GlobalInducingDense` had no KL weight or warm-up but through the deprecated callback;
+    its prior now carries them as every keras-dvi prior does (and later layers inherit it)."""
+    x, y = _data(seed=14)
+    prior = kd.NealPrior(num_train=64, kl_weight=0.5, kl_warmup_steps=4)
+    model = keras.Sequential([keras.Input((2,)),
+                              kd.GlobalInducingDense(4, "relu", num_inducing=5, regularizer=prior, num_samples=2),
+                              kd.GlobalInducingDense(1, output_layer=True), kd.SampledHomoscedasticNoise()])
+    assert model.layers[1].regularizer is prior
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.SampledHeteroscedasticELL())
+    history = model.fit(x, y, batch_size=64, epochs=5, shuffle=False, verbose=0).history
+    weight = 0.5 * np.minimum(np.arange(1, 6) / 4.0, 1.0)
+    np.testing.assert_allclose(history["loss"], np.array(history["nll"]) + weight * np.array(history["kl"]), rtol=1e-5)
+    logs = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)  # evaluation: the full weight
+    np.testing.assert_allclose(logs["loss"], logs["nll"] + 0.5 * logs["kl"], rtol=1e-5)
 
 
 def _fit_messages(model, x, y, **fit_args):

@@ -224,13 +224,6 @@ class BayesianLayer(ELBOReportingLayer):
             kl = kl + self.regularizer(self.bias_mean, self.bias_variance, self._fan_in)
         return kl
 
-    def _kl_schedule(self):
-        prior = self.regularizer
-        return (1.0, 0) if prior is None else (prior.kl_weight, prior.kl_warmup_steps)
-
-    def _num_train(self):
-        return None if self.regularizer is None else self.regularizer.num_train
-
     def _report_kl(self, training=False, data=None):
         """Adds the KL; `data`: the layer's inputs if they are data (2-D), else `None`."""
         self._start_network(training, data)

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import inducing, priors, validation
+from keras_dvi import deprecation, inducing, priors, validation
 from keras_dvi.layers import boundary
 from keras_dvi.layers.reporting import ELBOReportingLayer
 
@@ -31,12 +31,14 @@ class GlobalInducingDense(ELBOReportingLayer):
 
     `Sigma_w = (p I + phi(U)^T diag(lambda) phi(U))^-1`, `M_w = Sigma_w phi(U)^T diag(lambda) V`,
 
-    where `p` is the prior precision (`NealPrior`: `p = fan_in`). Every call draws `W ~ N(M_w,
+    where `p` is the prior precision (`NealPrior`: `p = fan_in`), set by the layer's
+    `regularizer`. Every call draws `W ~ N(M_w,
     Sigma_w)` (one Cholesky factorisation per sample, output units as right-hand sides), and
     propagates the inducing points and the data with the same draw (Algorithm 1), so the
     posterior of each layer depends on the weights drawn below it. The layer adds the Monte
     Carlo KL term `(log Q(W) - log P(W)) / num_train`, averaged over samples, to the model's
-    losses and reports it as `kl` during `fit`.
+    losses (times the prior's KL weight and warm-up, as in every keras-dvi layer) and reports
+    it as `kl` during `fit`.
 
     A network is a stack of these layers:
 
@@ -54,12 +56,10 @@ class GlobalInducingDense(ELBOReportingLayer):
         units: positive integer, output width.
         activation: any Keras activation (applied to the sampled pre-activations).
         num_inducing: number of inducing points `M` (first layer; later layers inherit it).
-        num_train: number of training examples `N`; the KL is divided by it (first layer;
-            later layers inherit it).
+        num_train: deprecated: pass `regularizer=keras_dvi.NealPrior(num_train=N)`.
         output_layer: `True` for the last layer of the stack.
-        prior: `"neal"` (`N(0, 1 / fan_in)`, default), `"standard"` (`N(0, 1)`), or a
-            `keras_dvi.priors.NealPrior` / `StandardPrior`. `fan_in` counts the inputs without
-            the bias column; the bias has the same prior.
+        prior: deprecated: `"neal"` / `"standard"` are `regularizer=keras_dvi.NealPrior(...)` /
+            `keras_dvi.StandardPrior(...)`.
         precision: `"shared"` (one `lambda` per inducing point, one Cholesky factor per sample)
             or `"per_unit"` (one per inducing point and output unit, as in the paper's UCI
             runs; one factor per sample and unit).
@@ -74,6 +74,12 @@ class GlobalInducingDense(ELBOReportingLayer):
         seed: integer seed of the layer's weight draws (`None`: from Keras' global seed).
         validate: data inputs are checked for NaN/inf in eager calls; `True` also checks them
             inside compiled functions.
+        regularizer: the weight prior with the objective's settings, as on every keras-dvi
+            layer: `keras_dvi.NealPrior(num_train=N)` (`N(0, 1 / fan_in)`) or
+            `keras_dvi.StandardPrior(num_train=N)` (`N(0, 1)`), each with `kl_weight` and
+            `kl_warmup_steps`. `fan_in` counts the inputs without the bias column; the bias
+            has the same prior. Required on the first layer; a later layer without one takes
+            the prior of the layer feeding it (and a prior without `num_train` takes its `N`).
         **kwargs: base layer arguments.
 
     Input shape:
@@ -86,8 +92,9 @@ class GlobalInducingDense(ELBOReportingLayer):
 
     >>> model = keras.Sequential([
     ...     keras.Input((1,)),
-    ...     GlobalInducingDense(50, "relu", num_inducing=100, num_train=len(x)),
-    ...     GlobalInducingDense(50, "relu"),
+    ...     GlobalInducingDense(50, "relu", num_inducing=100,
+    ...                         regularizer=keras_dvi.NealPrior(num_train=len(x))),
+    ...     GlobalInducingDense(50, "relu"),  # takes num_inducing and the prior from above
     ...     GlobalInducingDense(1, output_layer=True),
     ...     SampledHomoscedasticNoise(),
     ... ])
@@ -103,7 +110,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         num_inducing=None,
         num_train=None,
         output_layer=False,
-        prior="neal",
+        prior=None,
         precision="shared",
         num_samples=1,
         initial_log_precision=None,
@@ -112,6 +119,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         pseudo_output_initializer=None,
         seed=None,
         validate=False,
+        regularizer=None,
         **kwargs,
     ):
         kwargs.setdefault("autocast", False)  # float32 linear algebra under mixed precision
@@ -119,9 +127,15 @@ class GlobalInducingDense(ELBOReportingLayer):
         self.units = _positive_int("units", units)
         self.activation = keras.activations.get(activation)
         self.num_inducing = _positive_int("num_inducing", num_inducing, allow_none=True)
-        self.num_train = None if num_train is None else validation.num_train(num_train)
+        if num_train is not None or prior is not None:
+            deprecation.warn(
+                "GlobalInducingDense's `prior` and `num_train` arguments",
+                "pass the prior with `num_train` in `regularizer=`, as on every keras-dvi layer: "
+                "`regularizer=keras_dvi.NealPrior(num_train=len(x_train))` (or StandardPrior).",
+            )
+            regularizer = self._legacy_prior(prior, num_train, regularizer)
+        self.regularizer = None if regularizer is None else priors.get_weight_prior(regularizer)
         self.output_layer = bool(output_layer)
-        self.prior = priors.get_weight_prior(prior)
         if precision not in ("shared", "per_unit"):
             raise ValueError(
                 f"Argument `precision` must be 'shared' or 'per_unit'; received {precision!r}."
@@ -157,8 +171,33 @@ class GlobalInducingDense(ELBOReportingLayer):
         `Sequential` model), or `None`."""
         return boundary.producer_of(inputs)
 
+    @staticmethod
+    def _legacy_prior(prior, num_train, regularizer):
+        """The `regularizer` meant by the former `prior=` / `num_train=` arguments."""
+        if regularizer is not None:
+            raise ValueError(
+                "GlobalInducingDense: pass the prior and `num_train` in `regularizer=` only, "
+                "not also in the deprecated `prior=` / `num_train=` arguments."
+            )
+        prior = priors.get_weight_prior("neal" if prior is None else prior)
+        return prior if num_train is None else prior.with_num_train(validation.num_train(num_train))
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if "prior" in config or "num_train" in config:  # saved before `regularizer` (0.1.0.dev0)
+            config["regularizer"] = cls._legacy_prior(config.pop("prior", None), config.pop("num_train", None),
+                                                      config.get("regularizer"))
+        return super().from_config(config)
+
+    @property
+    def num_train(self):
+        """`N` of the layer's prior (`None` until known)."""
+        return None if self.regularizer is None else self.regularizer.num_train
+
     def _inherit(self, upstream):
-        """A later layer takes `num_inducing` and `num_train` from the layer feeding it."""
+        """A later layer takes `num_inducing` and its prior (or the prior's `num_train`) from the
+        layer feeding it."""
         if not isinstance(upstream, GlobalInducingDense):
             if self.num_inducing is None:
                 raise ValueError(
@@ -173,15 +212,24 @@ class GlobalInducingDense(ELBOReportingLayer):
                 "and returns no inducing points: only the last GlobalInducingDense layer may "
                 "be an output layer."
             )
-        for arg in ("num_inducing", "num_train"):
-            mine, theirs = getattr(self, arg), getattr(upstream, arg)
-            if mine is None:
-                setattr(self, arg, theirs)
-            elif theirs is not None and mine != theirs:
-                raise ValueError(
-                    f"Argument `{arg}` of layer {self.name!r} is {mine}, but the layer feeding "
-                    f"it, {upstream.name!r}, has {theirs}; leave it out to inherit it."
-                )
+        if self.num_inducing is None:
+            self.num_inducing = upstream.num_inducing
+        elif upstream.num_inducing is not None and self.num_inducing != upstream.num_inducing:
+            raise ValueError(
+                f"Argument `num_inducing` of layer {self.name!r} is {self.num_inducing}, but the "
+                f"layer feeding it, {upstream.name!r}, has {upstream.num_inducing}; leave it out "
+                "to inherit it."
+            )
+        if self.regularizer is None:
+            self.regularizer = upstream.regularizer
+        elif self.num_train is None and upstream.num_train is not None:
+            self.regularizer = self.regularizer.with_num_train(upstream.num_train)
+        elif upstream.num_train is not None and self.num_train != upstream.num_train:
+            raise ValueError(
+                f"Argument `num_train` of the prior of layer {self.name!r} is {self.num_train}, "
+                f"but the layer feeding it, {upstream.name!r}, has {upstream.num_train}; the "
+                "number of training examples is the same for every layer."
+            )
 
     def build(self, input_shape):
         if len(input_shape) not in (2, 3):
@@ -200,8 +248,9 @@ class GlobalInducingDense(ELBOReportingLayer):
             )
         if self.num_train is None:
             raise ValueError(
-                f"Layer {self.name!r}: argument `num_train` (the number of training examples; "
-                "the KL is divided by it) is required on the first GlobalInducingDense layer."
+                f"Layer {self.name!r} is the first GlobalInducingDense layer: it needs a prior "
+                "with the number of training examples (the KL is divided by it): "
+                "`regularizer=keras_dvi.NealPrior(num_train=len(x_train))`."
             )
         self.fan_in = int(features)
         if self._is_first:
@@ -242,7 +291,7 @@ class GlobalInducingDense(ELBOReportingLayer):
 
     @property
     def prior_precision(self):
-        return self.prior.prior_precision(self.fan_in)
+        return self.regularizer.prior_precision(self.fan_in)
 
     def _posterior_arguments(self, inducing_features):
         """`(phi, lambda, V)` in the moment dtype, `phi` with its bias column."""
@@ -264,9 +313,6 @@ class GlobalInducingDense(ELBOReportingLayer):
         return inducing.posterior_sample(
             *self._posterior_arguments(inducing_features), self.prior_precision, noise
         )
-
-    def _num_train(self):
-        return self.num_train
 
     def call(self, inputs, training=None):
         self._start_network(training, inputs if self._is_first else None)
@@ -312,9 +358,9 @@ class GlobalInducingDense(ELBOReportingLayer):
                 "units": self.units,
                 "activation": keras.activations.serialize(self.activation),
                 "num_inducing": self.num_inducing,
-                "num_train": self.num_train,
                 "output_layer": self.output_layer,
-                "prior": keras.saving.serialize_keras_object(self.prior),
+                "regularizer": None if self.regularizer is None
+                else keras.saving.serialize_keras_object(self.regularizer),
                 "precision": self.precision,
                 "num_samples": self.num_samples,
                 "initial_log_precision": self.initial_log_precision,

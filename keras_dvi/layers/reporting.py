@@ -33,6 +33,7 @@ class ELBOReportingLayer(KerasDVILayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self.regularizer = None  # the layer's prior (`keras_dvi.priors.KLSettings`), set by subclasses
         self._tracker_ref = _TrackerRef()
         self._warmup_override = None  # (warmup_steps, delay_steps) from `set_kl_warmup`
 
@@ -46,10 +47,10 @@ class ELBOReportingLayer(KerasDVILayer):
         tracker = self._tracker_ref.tracker
         return super().metrics + ([tracker] if tracker is not None else [])
 
-    # The schedule: subclasses say where `kl_weight` and `kl_warmup_steps` come from.
     def _kl_schedule(self):
-        """`(kl_weight, kl_warmup_steps)` of this layer."""
-        return 1.0, 0
+        """`(kl_weight, kl_warmup_steps)` of this layer's prior; `(1, 0)` without one."""
+        prior = self.regularizer
+        return (1.0, 0) if prior is None else (prior.kl_weight, prior.kl_warmup_steps)
 
     def set_kl_warmup(self, warmup_steps, delay_steps=0):
         """Overrides the layer's warm-up: the KL is off for `delay_steps` training steps, then
@@ -69,7 +70,7 @@ class ELBOReportingLayer(KerasDVILayer):
 
     def _num_train(self):
         """The `N` this layer divides its KL by, or `None`."""
-        return None
+        return None if self.regularizer is None else self.regularizer.num_train
 
     def _start_network(self, training=False, inputs=None):
         """Opens the step's hand-off if this is the network's first keras-dvi layer, whose data
