@@ -246,6 +246,14 @@ def _numpy_eb_kl(layer, alpha=1.0, beta=10.0):
     return total
 
 
+def test_kl_divergence_of_a_layer_is_the_whole_kl_in_nats():
+    """`layer.kl_divergence()` once returned KL / N; it is the KL of the layer's weights (eq. 12
+    at the empirical Bayes variance, against NumPy), whatever `num_train` says."""
+    model = _toy_model(EmpiricalBayesRegularizer(num_train=640))
+    for layer in model.layers[:2]:
+        np.testing.assert_allclose(to_numpy(layer.kl_divergence()), _numpy_eb_kl(layer), rtol=1e-4)
+
+
 def test_fit_minimises_negative_elbo_over_n_and_logs_its_parts():
     rng = np.random.default_rng(8)
     n_train, batch = 640, 32

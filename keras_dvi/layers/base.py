@@ -216,12 +216,14 @@ class BayesianLayer(ELBOReportingLayer):
             )
 
     def kl_divergence(self):
-        """`KL(q || p) / N` of this layer (kernel and bias sets), or 0 without a regularizer."""
+        """`KL(q || p)` of this layer's weights (kernel and bias sets) in nats, or 0 without a
+        regularizer. Its share of `-ELBO / N` (and of the logged `kl`) is this divided by the
+        prior's `num_train`."""
         if self.regularizer is None:
             return ops.zeros((), dtype=self.variable_dtype)
-        kl = self.regularizer(self.kernel_mean, self.kernel_variance, self._fan_in)
+        kl = self.regularizer.kl(self.kernel_mean, self.kernel_variance, self._fan_in)
         if self._bias_mean is not None:
-            kl = kl + self.regularizer(self.bias_mean, self.bias_variance, self._fan_in)
+            kl = kl + self.regularizer.kl(self.bias_mean, self.bias_variance, self._fan_in)
         return kl
 
     def _report_kl(self, training=False, data=None):
@@ -238,7 +240,8 @@ class BayesianLayer(ELBOReportingLayer):
                 UserWarning,
                 stacklevel=2,
             )
-        self._report_kl_value(None if self.regularizer is None else self.kl_divergence(), training)
+        kl = None if self.regularizer is None else self.kl_divergence() / float(self.regularizer.num_train)
+        self._report_kl_value(kl, training)
 
     def call(self, inputs, training=None):
         context = sampling.current_context()
