@@ -9,7 +9,8 @@
    (`tf.function`) step; ratios are taken within the same run.
    A plain `keras.layers.Dense` ReLU layer is timed alongside as the baseline.
 2. Training-step time (one `fit` epoch, as users train) of whole in-w-w-2 ReLU networks: DVI,
-   dDVI (diagonal throughout), MCVI (S = 10) against a plain `keras.layers.Dense` network of
+   DVI (a `DenseDiagDVI` first layer, exactly DVI after data, then `DenseDVI`), dDVI (diagonal
+   throughout), MCVI (S = 10) against a plain `keras.layers.Dense` network of
    the same shape, at a small, overhead-bound size (1-128-128-2, batch 50) and a larger,
    compute-bound one (256-256-256-2, batch 256).
 
@@ -87,7 +88,7 @@ def network_times(width, batch, in_dim, steps, kinds=None, jit=False):
     shapes = {
         "plain Dense": (lambda: [keras.layers.Dense(width, "relu"), keras.layers.Dense(width, "relu"), keras.layers.Dense(2)],
                         lambda t, p: keras.ops.mean(keras.ops.square(t - p[:, :1]))),
-        "DVI": (lambda: [kd.DenseDVI(width, "relu", regularizer=prior), kd.DenseDVI(width, "relu", regularizer=prior),
+        "DVI": (lambda: [kd.DenseDiagDVI(width, "relu", regularizer=prior), kd.DenseDVI(width, "relu", regularizer=prior),
                          kd.DenseDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),
         "dDVI": (lambda: [kd.DenseDiagDVI(width, "relu", regularizer=prior), kd.DenseDiagDVI(width, "relu", regularizer=prior),
                           kd.DenseDiagDVI(2, regularizer=prior)], kd.HeteroscedasticELL()),

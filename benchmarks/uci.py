@@ -16,8 +16,9 @@ set, tuned on no data set's test split:
   has the history). KL warm-up (`keras_dvi.KLWarmup`, as in the authors' code): the KL weight
   rises linearly from 0 to 1 over the first `--kl-warmup` updates (default: half the run,
   3,000), then the full ELBO is trained for the rest; `--kl-warmup 0` turns it off (the
-  recipe of `benchmarks/results/uci_no_warmup`). `dvi`: `DenseDVI` layers, heteroscedastic
-  head; `ddvi`: `DenseDiagDVI` layers throughout, so the head's mean/log-variance
+  recipe of `benchmarks/results/uci_no_warmup`). `dvi`: a `DenseDiagDVI` first layer (after
+  data it computes exactly what `DenseDVI` does, in the compact form), `DenseDVI` layers
+  after it and as the heteroscedastic head; `ddvi`: `DenseDiagDVI` layers throughout, so the head's mean/log-variance
   covariance is dropped as well (with one hidden layer that is the only difference: hidden
   units after a deterministic input are uncorrelated); `mcvi`: `DenseMCVI` with 10 weight
   samples per step (`--mcvi-samples`), evaluated with 100; `hodvi`: DVI with a learned
@@ -173,7 +174,9 @@ def build(method, input_dim, num_train, args):
         loss = kd.SampledHeteroscedasticELL()
     else:
         dense = kd.DenseDiagDVI if method == "ddvi" else kd.DenseDVI
-        layers += [dense(w, "relu", regularizer=prior) for w in args.hidden]
+        # The first layer after data: DenseDiagDVI computes exactly what DenseDVI does there, in
+        # the compact form (the recipe's numbers are those of the earlier DenseDVI-first code).
+        layers += [(kd.DenseDiagDVI if i == 0 else dense)(w, "relu", regularizer=prior) for i, w in enumerate(args.hidden)]
         if method == "hodvi":
             layers += [kd.DenseDVI(1, regularizer=prior), kd.HomoscedasticNoise(-3.0, log_variance_scale=10.0)]
         else:

@@ -108,7 +108,9 @@ def build_model(input_dim, hidden, method, prior, learning_rate):
 
     body = {"dvi": DenseDVI, "ddvi": DenseDiagDVI}[method]
     layers = [keras.Input((input_dim,))]
-    layers += [body(width, "relu", regularizer=prior) for width in hidden]
+    # After data the units are independent: DenseDiagDVI computes exactly what DenseDVI does
+    # there, in the compact diagonal form (cheaper for the next layer).
+    layers += [(DenseDiagDVI if i == 0 else body)(width, "relu", regularizer=prior) for i, width in enumerate(hidden)]
     layers.append(DenseDVI(2, regularizer=prior))  # full covariance keeps S_ml for the loss
     model = keras.Sequential(layers)
     model.compile(keras.optimizers.Adam(learning_rate), loss=HeteroscedasticELL())

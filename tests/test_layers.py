@@ -89,11 +89,19 @@ def test_diagonal_layer_after_full_layer_uses_the_exact_input_covariance():
     assert np.abs(dropped - want).max() > 1e-2  # the test input has strong correlations
 
 
-def test_first_layer_after_deterministic_input_emits_exactly_diagonal_covariance():
-    out = DenseDVI(4, "relu")(_x())
-    assert tuple(out.shape) == (5, 2, 4)
-    out = DenseDVI(4, "relu")(out)
-    assert tuple(out.shape) == (5, 5, 4)
+def test_the_output_form_is_fixed_by_the_layer_class_not_its_position():
+    """A `DenseDVI` once returned the diagonal form after data and the full form after another
+    layer, so `unpack(..., "auto")` changed shape with the layer's position. `DenseDVI` always
+    returns the full form (exactly diagonal after data: the units are independent) and
+    `DenseDiagDVI` always the diagonal one."""
+    first = DenseDVI(4, "relu")(_x())
+    assert tuple(first.shape) == (5, 5, 4)
+    mean, cov = unpack(first)
+    assert tuple(cov.shape) == (5, 4, 4)
+    cov = to_numpy(cov)
+    np.testing.assert_array_equal(cov - np.eye(4) * np.diagonal(cov, axis1=1, axis2=2)[:, None, :], 0.0)
+    assert tuple(DenseDVI(4, "relu")(first).shape) == (5, 5, 4)
+    assert tuple(DenseDiagDVI(4, "relu")(_x()).shape) == tuple(DenseDiagDVI(4, "relu")(first).shape) == (5, 2, 4)
 
 
 def test_functional_model_with_gaussian_pair_input():
@@ -150,7 +158,7 @@ def test_posterior_properties_and_set_posterior():
     np.testing.assert_allclose(to_numpy(layer.bias_variance), [0.1, 0.2, 0.3], rtol=1e-6)
     # The moments the layer computes follow the posterior (linear layer, deterministic x).
     x = np.array([[1.0, -2.0]], "float32")
-    mean, var = unpack(layer(x))
+    mean, var = unpack(layer(x), covariance="diagonal")
     np.testing.assert_allclose(to_numpy(mean), x @ km + [1, 2, 3], rtol=1e-6)
     np.testing.assert_allclose(to_numpy(var), (x**2) @ np.full((2, 3), 0.5) + [0.1, 0.2, 0.3], rtol=1e-6)
 

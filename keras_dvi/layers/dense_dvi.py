@@ -37,10 +37,9 @@ class DenseDVI(DenseBase):
         `(mean (batch, in), covariance (batch, in, in) or variance (batch, in))`.
 
     Output shape:
-        Packed `(batch, units + 1, units)`: row 0 the mean, rows 1.. the covariance. After a
-        deterministic input the output units are independent and the layer returns the
-        compact diagonal form `(batch, 2, units)` instead (exactly the same distribution).
-        Use `keras_dvi.unpack(outputs)` to get `(mean, covariance)`.
+        Packed `(batch, units + 1, units)`: row 0 the mean, rows 1.. the covariance, whatever
+        the input (after a deterministic input the covariance is diagonal: the units are
+        independent). Use `keras_dvi.unpack(outputs)` to get `(mean, covariance)`.
 
     Example:
 
@@ -58,15 +57,14 @@ class DenseDVI(DenseBase):
         self.covariance_approximation = moments.canonical_method(covariance_approximation)
 
     def compute_output_shape(self, input_shape):
-        kind, _ = packing.structure_of_shape(input_shape)
-        if kind == packing.DETERMINISTIC:
-            return packing.packed_shape(input_shape, self.units, full=False)
+        packing.structure_of_shape(input_shape)  # checks it
         return packing.packed_shape(input_shape, self.units, full=True)
 
     def _moments(self, mean, second, kind):
         mean_a, second_a, diagonal = self._affine_moments(mean, second, kind, full_output=True)
-        if diagonal:
-            return moments.activation_moments(mean_a, second_a, self.activation)
+        if diagonal:  # deterministic inputs: independent units, a diagonal covariance
+            mean_h, var_h = moments.activation_moments(mean_a, second_a, self.activation)
+            return mean_h, moments.diag_embed(var_h)
         return moments.activation_covariance(
             mean_a, second_a, self.activation, self.covariance_approximation
         )

@@ -39,8 +39,9 @@ class SkipDVI(BayesianLayer):
         `(mean, covariance)` / `(mean, variance)` pair.
 
     Output shape:
-        Packed `(batch, width + 1, width)` (after a deterministic input: the compact diagonal
-        form `(batch, 2, width)`, since the outputs are then independent).
+        Packed `(batch, width + 1, width)` whatever the input (after a deterministic input
+        the covariance is diagonal: the outputs are then independent); `SkipDiagDVI`: the
+        diagonal form `(batch, 2, width)`.
 
     Example:
 
@@ -68,8 +69,7 @@ class SkipDVI(BayesianLayer):
 
     def compute_output_shape(self, input_shape):
         kind, features = packing.structure_of_shape(input_shape)
-        full = not self._diagonal_output and kind != packing.DETERMINISTIC
-        return packing.packed_shape(input_shape, features, full=full)
+        return packing.packed_shape(input_shape, features, full=not self._diagonal_output)
 
     def _moments(self, mean, second, kind):
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
@@ -77,7 +77,7 @@ class SkipDVI(BayesianLayer):
         if kind == packing.DETERMINISTIC:
             h = apply_activation(mean, self.activation)
             mean_d, var_d, _ = moments.linear_moments(h, kernel_mean, kernel_var, bias_mean, bias_var)
-            return mean + mean_d, var_d
+            return mean + mean_d, var_d if self._diagonal_output else moments.diag_embed(var_d)
         if kind == packing.DIAGONAL:
             variance = second
             mean_h, var_h = moments.activation_moments(mean, variance, self.activation)
