@@ -30,7 +30,7 @@ def gaussian_kl(mean, variance, prior_variance):
 
 
 #: Default length of the KL warm-up, in training steps (optimizer updates).
-DEFAULT_KL_WARMUP_STEPS = 1000
+DEFAULT_KL_WARMUP_STEPS = 3000
 
 
 class KLSettings:
@@ -47,7 +47,7 @@ class KLSettings:
             likelihood): a departure from Bayesian inference, sometimes better calibrated on
             small data sets (BENCHMARKS.md).
         kl_warmup_steps: training steps (optimizer updates) over which the KL weight rises
-            linearly from 0 to `kl_weight` (default 1000; 0 turns the warm-up off). Without it,
+            linearly from 0 to `kl_weight` (default 3000; 0 turns the warm-up off). Without it,
             a network with many weights per training example is pulled to the prior by the
             KL's gradient before the data term can act, and stays there (BENCHMARKS.md).
             Counted per layer in its `kl_step` variable, on every backend; evaluation always
