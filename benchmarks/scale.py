@@ -20,14 +20,14 @@ method as JSON in `--results`; `summary.md` there is rewritten from them.
 """
 
 import argparse
-import glob
-import json
 import os
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+
+import cache  # noqa: E402  (benchmarks/ is the script's folder)
 
 ROWS, TRAIN, WIDTH, EPOCHS, BATCH, LEARNING_RATE = 100_000, 80_000, 500, 10, 256, 1e-3
 
@@ -119,26 +119,17 @@ def summary_markdown(records):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=["classification", "regression"])
-    parser.add_argument("--methods", nargs="+", default=["plain", "dvi"])
+    parser.add_argument("--tasks", nargs="+", default=["classification", "regression"],
+                        choices=["classification", "regression"])
+    parser.add_argument("--methods", nargs="+", default=["plain", "dvi"], choices=["plain", "dvi"])
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--results", default="benchmarks/results/scale")
     args = parser.parse_args(argv)
-    os.makedirs(args.results, exist_ok=True)
     for task in args.tasks:
         for method in args.methods:
-            path = os.path.join(args.results, f"{task}_{method}.json")
-            if os.path.exists(path):
-                continue
-            record = run_one(task, method, args.epochs)
-            with open(path, "w") as f:
-                json.dump(record, f)
-            print(record, flush=True)
-    records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(args.results, "*.json")))]
-    text = summary_markdown(records)
-    with open(os.path.join(args.results, "summary.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+            cache.cached(os.path.join(args.results, f"{task}_{method}.json"),
+                         lambda: run_one(task, method, args.epochs), announce=str)
+    cache.summarise(args.results, "*.json", summary_markdown)
 
 
 if __name__ == "__main__":

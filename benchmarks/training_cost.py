@@ -21,8 +21,6 @@ idle machine.
 """
 
 import argparse
-import glob
-import json
 import os
 import time
 
@@ -30,7 +28,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-import classification as bench  # noqa: E402  (benchmarks/ is the script's folder)
+import cache  # noqa: E402  (benchmarks/ is the script's folder)
+import classification as bench  # noqa: E402
 
 METHODS = ("mlp", "ensemble", "dvi", "dvi_tempered")
 THRESHOLDS = (0.95, 0.96, 0.97)
@@ -120,27 +119,12 @@ def main(argv=None):
     parser.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--results", default="benchmarks/results/training_cost", help="cache folder")
     args = parser.parse_args(argv)
-    os.makedirs(args.results, exist_ok=True)
     for split in args.splits:
         for method in args.methods:
-            path = os.path.join(args.results, f"{method}_split_{split}.json")
-            if os.path.exists(path):
-                continue
-            record = run_one(method, split)
-            with open(path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(path + ".tmp", path)
-            print(f"{method} split {split}: {record['seconds'][-1]:.1f} s, best accuracy "
-                  f"{max(record['accuracy']):.3f}", flush=True)
-    records = []
-    for path in sorted(glob.glob(os.path.join(args.results, "*_split_*.json"))):
-        with open(path) as f:
-            records.append(json.load(f))
-    text = summary_markdown(records)
-    with open(os.path.join(args.results, "summary.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
-    return records
+            cache.cached(os.path.join(args.results, f"{method}_split_{split}.json"), lambda: run_one(method, split),
+                         announce=lambda r: f"{r['method']} split {r['split']}: {r['seconds'][-1]:.1f} s, "
+                                           f"best accuracy {max(r['accuracy']):.3f}")
+    return cache.summarise(args.results, "*_split_*.json", summary_markdown)
 
 
 if __name__ == "__main__":
