@@ -42,7 +42,10 @@ def test_a_run_records_every_evaluation_set(monkeypatch):
     for key in ["clean", "rotate_15", "rotate_60", "noise_0.4", "auroc_uniform", "auroc_digits_5_9"]:
         assert key in record, key
     assert set(record["by_prob_method"]) == {"mean", "probit", "mc", "delta"}
-    assert record["recipe"] == "dvi_validation" and record["config"]["prior"]["kl_warmup_steps"] == 1000
+    from keras_dvi.priors import DEFAULT_KL_WARMUP_STEPS
+
+    assert record["recipe"] == "dvi_validation"  # the library's defaults: nothing in the label
+    assert record["config"]["prior"]["kl_warmup_steps"] == DEFAULT_KL_WARMUP_STEPS
     args.dataset = "wine"
     record = cls.run_one("mlp", 0, args)
     assert record["recipe"] == "wine/mlp_validation" and 0.0 <= record["clean"]["accuracy"] <= 1.0

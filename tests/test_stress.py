@@ -85,4 +85,6 @@ def test_long_training_stays_finite(method, kind):
         assert np.isfinite(ops.convert_to_numpy(variable)).all(), variable.path
     _, grads = model_gradients(model, x[:BATCH], lambda out: loss_fn(y[:BATCH], out), training=True)
     assert all(np.isfinite(g).all() for g in grads if g is not None)
-    assert history["loss"][-1] < history["loss"][0]  # it learned, not just survived
+    # It learned, not just survived: the data term fell (the loss itself can rise while the
+    # KL warm-up brings the KL in).
+    assert history["nll"][-1] < history["nll"][0]
