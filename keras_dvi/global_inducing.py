@@ -87,13 +87,6 @@ def sampling_layer(model):
     return None
 
 
-def _sampling_head(model):
-    layer = sampling_layer(model)
-    if layer is None:
-        raise ValueError("Argument `model` has no sampling layer (GlobalInducingDense or DenseMCVI).")
-    return layer
-
-
 def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None):
     """Output samples of any keras-dvi model, as a NumPy array `(n, num_samples, units)`.
 
