@@ -295,20 +295,119 @@ def _misuse_free(messages):
     return not [m for m in messages if "keras-dvi" in m or "num_train" in m]
 
 
+def _custom_mse(y_true, y_pred):  # a custom loss that does not read the moments with `unpack`
+    return keras.ops.mean(keras.ops.square(keras.ops.reshape(y_true, (-1, 1, 1)) - y_pred), axis=(1, 2))
+
+
 @pytest.mark.parametrize("run_eagerly", [False, True])
-def test_a_keras_loss_on_a_keras_dvi_output_warns_once(run_eagerly):
-    """`loss="mse"` on a 1-unit DVI output once trained on the packed tensor, logging `nll: 0`."""
+def test_a_custom_loss_that_scores_no_keras_dvi_loss_warns_once(run_eagerly):
+    """A loss that is not keras-dvi's reads the packed tensor as a prediction (it once logged
+    `nll: 0`); a custom one may be legitimate (reading the moments with `unpack`), so it warns."""
     x, y = _data(seed=11)
     prior = kd.EmpiricalBayesRegularizer(640)
     model = keras.Sequential([keras.Input((2,)), kd.DenseDVI(8, "relu", regularizer=prior), kd.DenseDVI(1, regularizer=prior)])
-    model.compile(keras.optimizers.Adam(1e-3), loss="mse", run_eagerly=run_eagerly)
+    model.compile(keras.optimizers.Adam(1e-3), loss=_custom_mse, run_eagerly=run_eagerly)
     messages = [m for m in _fit_messages(model, x, y, epochs=2, batch_size=32) if "no keras-dvi loss scored" in m]
     assert len(messages) == 1 and "HeteroscedasticELL" in messages[0]
     right = keras.Sequential([keras.Input((2,))] + _layers(prior))
-    right.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL(), run_eagerly=run_eagerly)
+    right.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL(), metrics=[kd.metrics.PredictiveMSE()],
+                  run_eagerly=run_eagerly)
     assert _misuse_free(_fit_messages(right, x, y, epochs=2, batch_size=32, validation_split=0.25))
     right.predict(x, verbose=0)  # an open inference step is no misuse either
     assert _misuse_free(_fit_messages(right, x, y, epochs=1, batch_size=32))
+
+
+def _classifier(prior, classes=3):
+    return keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior),
+                             kd.DenseDVI(classes, regularizer=prior)])
+
+
+@pytest.mark.parametrize("loss, metrics, classes, run_eagerly", [
+    ("mse", None, 1, False),  # once trained on the packed tensor, logging `nll: 0`
+    ("mse", None, 3, True),  # once a raw error: Incompatible shapes [64] vs. [64,3,2]
+    (keras.losses.MeanSquaredError(), None, 3, False),
+    ("softmax_delta", ["mae"], 1, False),  # silently scored the packed rows
+    ("softmax_delta", ["accuracy"], 3, False),  # once a raw error
+    ("softmax_delta", [keras.metrics.SparseCategoricalAccuracy()], 3, True),
+])
+def test_keras_losses_and_metrics_on_a_keras_dvi_output_are_refused(loss, metrics, classes, run_eagerly):
+    """Keras' own losses and metrics read the packed output as a prediction: refused at the
+    first step of `fit` (or `evaluate`), naming the argument and keras-dvi's replacement."""
+    x, _ = _data(seed=15)
+    labels = np.arange(len(x)) % max(classes, 2) if classes > 1 else np.zeros(len(x), "int64")
+    model = _classifier(kd.EmpiricalBayesRegularizer(640), classes)
+    loss = kd.SoftmaxDeltaELL() if loss == "softmax_delta" else loss
+    model.compile(keras.optimizers.Adam(1e-3), loss=loss, metrics=metrics, run_eagerly=run_eagerly)
+    argument = "loss=" if metrics is None else "metrics="
+    with pytest.raises(ValueError, match=rf"model.compile\({argument}.*keras-dvi output of layer DenseDVI"):
+        model.fit(x, labels, epochs=1, batch_size=32, verbose=0)
+    with pytest.raises(ValueError, match=r"keras_dvi.metrics.PredictiveMSE\(\)"):
+        model.evaluate(x, labels, verbose=0)
+
+
+def test_keras_losses_stay_welcome_on_plain_outputs_and_keras_dvi_metrics_on_keras_dvi_outputs():
+    """A model with a keras-dvi output and a plain one: each gets its own kind of loss."""
+    x, y = _data(seed=16)
+    labels = (np.arange(len(x)) % 3).astype("int64")
+    inputs = keras.Input((2,), name="x")
+    bayes = kd.DenseDVI(3, regularizer=kd.EmpiricalBayesRegularizer(640), name="bayes")(
+        kd.DenseDiagDVI(8, "relu", regularizer=kd.EmpiricalBayesRegularizer(640))(inputs))
+    plain = keras.layers.Dense(1, name="plain")(keras.layers.Dense(8, "relu")(inputs))
+    model = keras.Model(inputs, {"bayes": bayes, "plain": plain})
+    model.compile(keras.optimizers.Adam(1e-3), loss={"bayes": kd.SoftmaxDeltaELL(), "plain": "mse"},
+                  metrics={"bayes": [kd.metrics.MeanLogitAccuracy()], "plain": ["mae"]})
+    assert _misuse_free(_fit_messages(model, x, {"bayes": labels, "plain": y}, epochs=1, batch_size=32))
+    model.compile(keras.optimizers.Adam(1e-3), loss={"bayes": "sparse_categorical_crossentropy", "plain": "mse"})
+    with pytest.raises(ValueError, match=r"loss='sparse_categorical_crossentropy'.*layer DenseDVI 'bayes'"):
+        model.fit(x, {"bayes": labels, "plain": y}, epochs=1, batch_size=32, verbose=0)
+    model.compile(keras.optimizers.Adam(1e-3), loss={"bayes": kd.SoftmaxDeltaELL(), "plain": "mse"},
+                  metrics={"bayes": ["accuracy"], "plain": ["mae"]})
+    with pytest.raises(ValueError, match=r"metrics=\['accuracy'\].*layer DenseDVI 'bayes'"):
+        model.fit(x, {"bayes": labels, "plain": y}, epochs=1, batch_size=32, verbose=0)
+
+
+class SubclassedWith(keras.Model):
+    """A subclassed network with an optional plain layer between its keras-dvi layers."""
+
+    def __init__(self, prior, between=None, body=None):
+        super().__init__()
+        self.body = body or kd.DenseDiagDVI(8, "relu", regularizer=prior)
+        self.between = between
+        self.head = kd.DenseDVI(2, regularizer=prior)
+
+    def call(self, inputs, training=None):
+        hidden = self.body(inputs, training=training)
+        if self.between is not None:
+            hidden = self.between(hidden, training=training)
+        return self.head(hidden, training=training)
+
+
+def test_plain_layers_between_keras_dvi_layers_of_a_subclassed_model_warn():
+    """No symbolic build stamps a subclassed model's tensors: Dropout between its keras-dvi
+    layers trained silently. Now the first training pass warns; the plain network, and a
+    nested keras-dvi model as its body, do not."""
+    x, y = _data(seed=17)
+    prior = kd.EmpiricalBayesRegularizer(640)
+    model = SubclassedWith(prior, keras.layers.Dropout(0.2))
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+    messages = [m for m in _fit_messages(model, x, y, epochs=2, batch_size=32) if "no keras-dvi layer of this" in m]
+    assert len(messages) == 1 and "DenseDVI" in messages[0] and "Dropout" in messages[0]
+    body = keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior)])
+    for right in (SubclassedWith(prior), SubclassedWith(prior, body=body)):
+        right.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+        assert _misuse_free(_fit_messages(right, x, y, epochs=2, batch_size=32))
+
+
+def test_a_keras_loss_on_a_subclassed_keras_dvi_model_warns():
+    """A subclassed model's outputs cannot be traced to their layers: a Keras loss warns."""
+    x, y = _data(seed=18)
+    model = SubclassedWith(kd.EmpiricalBayesRegularizer(640))
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    with pytest.warns(UserWarning, match=r"model.compile\(loss='mse'\).*subclassed"):
+        try:
+            model.fit(x, y, epochs=1, batch_size=32, verbose=0)
+        except Exception:  # noqa: BLE001 - Keras' own shape error may follow the warning
+            pass
 
 
 def test_flatten_between_keras_dvi_layers_warns():
@@ -337,3 +436,30 @@ def test_num_train_is_checked_against_the_batch():
     messages = [m for m in _fit_messages(model(32), x, y, epochs=1, batch_size=32) if "num_train" in m]
     assert len(messages) == 1 and "`num_train` is also 32" in messages[0] and "len(x_train)" in messages[0]
     assert _misuse_free(_fit_messages(model(len(x)), x, y, epochs=1, batch_size=32))
+
+
+def test_no_keras_dvi_module_holds_state():
+    """The objective's hand-off once lived in a module-level thread-local: now every piece of
+    state belongs to a layer, a metric, a loss or the model being stepped. No module of the
+    package holds a mutable object (constants are named in capitals)."""
+    import importlib
+    import pkgutil
+    import re
+    import threading
+
+    found = []
+    for info in pkgutil.walk_packages(kd.__path__, prefix="keras_dvi."):
+        if info.name == "keras_dvi.__main__":
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            constant = name.startswith("__") or re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name)
+            if isinstance(value, threading.local) or (isinstance(value, (list, dict, set, bytearray)) and not constant):
+                found.append(f"{info.name}.{name}")
+    assert found == []
+    x, y = _data(seed=19)
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    record = getattr(model, kd.objective.RECORD)  # the step's hand-off lives on the model, closed
+    assert not record.open and record.kl == [] and record.produced == []

@@ -20,6 +20,8 @@ import warnings
 
 import keras
 
+from keras_dvi import objective
+
 #: The attribute of a symbolic tensor naming the keras-dvi layer that produced it.
 PRODUCER = "keras_dvi_producer"
 
@@ -32,8 +34,17 @@ def producer_of(tensor):
 class KerasDVILayer(keras.layers.Layer):
     """A Keras layer that reads and writes keras-dvi tensors (see the module docstring)."""
 
+    def __call__(self, *args, **kwargs):
+        inputs = args[0] if args else kwargs.get("inputs")
+        if not getattr(self, "_in_symbolic_graph", False):  # checked at build otherwise
+            objective.check_inputs(self, inputs)
+        outputs = super().__call__(*args, **kwargs)
+        objective.record_outputs(outputs)
+        return outputs
+
     def compute_output_spec(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
+        self._in_symbolic_graph = True
         if keras.utils.is_keras_tensor(inputs) and len(inputs.shape) == 3 and producer_of(inputs) is None:
             warnings.warn(
                 f"Layer {type(self).__name__} {self.name!r} receives a 3-D input of shape "
@@ -52,3 +63,144 @@ class KerasDVILayer(keras.layers.Layer):
         for output in keras.tree.flatten(outputs):
             setattr(output, PRODUCER, self)
         return outputs
+
+
+# ------------------------------------------------------------- the model's compiled loss and metrics
+
+_FIX = (
+    "Keras losses and metrics read the packed output (mean and (co)variance rows, or weight "
+    "samples) as if it were a prediction. Use keras-dvi's: the loss `keras_dvi.HeteroscedasticELL()` "
+    "(regression) or `keras_dvi.SoftmaxDeltaELL()` (classification) (`SampledHeteroscedasticELL` / "
+    "`SampledSoftmaxELL` for sampled layers), and the metrics `keras_dvi.metrics.PredictiveMSE()`, "
+    "`PredictiveLogLikelihood()` or `MeanLogitAccuracy()`. (A custom function that reads the "
+    "moments with `keras_dvi.unpack` is welcome.)"
+)
+
+
+def is_keras_builtin(entry, kind):
+    """Whether `entry`, a loss (`kind="loss"`) or metric (`"metric"`) as given to `compile` or
+    serialised (`keras.saving.serialize_keras_object`), is one of Keras' own: a name such as
+    `"mse"` or `"accuracy"`, a Keras function, or a Keras class not wrapping a user function."""
+    if entry is None:
+        return False
+    getter = keras.losses.get if kind == "loss" else keras.metrics.get
+    if isinstance(entry, str):
+        if entry in ("accuracy", "acc", "crossentropy", "ce"):  # names only `compile` resolves
+            return True
+        try:
+            found = getter(entry)
+        except (ValueError, TypeError):
+            return False
+        module = getattr(found, "__module__", "") if callable(found) else type(found).__module__
+        return module.startswith("keras.")
+    if not isinstance(entry, dict):
+        return is_keras_builtin(keras.saving.serialize_keras_object(entry), kind)
+    if entry.get("class_name") == "function":  # functions are serialised by name only
+        return is_keras_builtin(entry.get("config"), kind)
+    if not str(entry.get("module", "")).startswith("keras."):
+        return False
+    config = entry.get("config")
+    wrapped = config.get("fn") if isinstance(config, dict) else None
+    return wrapped is None or is_keras_builtin(wrapped, kind)
+
+
+def _entries(value):
+    """The losses or metrics in one `compile` argument's value, as a flat list (a serialised
+    object, a dict with a `class_name`, is one entry)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [entry for item in value for entry in _entries(item)]
+    if isinstance(value, dict) and "class_name" not in value:
+        return [entry for item in value.values() for entry in _entries(item)]
+    return [value]
+
+
+def _per_output(value, names):
+    """A `compile` argument (`loss`, `metrics`, ...) as one list of entries per output name:
+    keyed by output name, one item per output, or one value for every output."""
+    if isinstance(value, dict) and "class_name" not in value:
+        return {name: _entries(value.get(name)) for name in names}
+    if isinstance(value, (list, tuple)) and len(names) > 1 and len(value) == len(names):
+        return {name: _entries(item) for name, item in zip(names, value)}
+    return {name: _entries(value) for name in names}
+
+
+def _compiled_metrics(model):
+    """`{"metrics": ..., "weighted_metrics": ...}` as given to `compile` (serialised), or
+    `None` where the config cannot be read (inside the symbolic build of a JAX step, whose
+    optimizer state is not readable yet)."""
+    try:
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            with tf.init_scope():  # the optimizer's config reads its learning rate eagerly
+                config = model.get_compile_config()
+        else:
+            config = model.get_compile_config()
+    except Exception:  # noqa: BLE001 - any failure to serialise: fall back to the built metrics
+        return None
+    return {argument: config.get(argument) for argument in ("metrics", "weighted_metrics")}
+
+
+def _built_metrics(model):
+    """The metrics `compile` gave the model, as Keras built them (`[]` before the first step;
+    which output each reads is not public)."""
+    return [metric for found in model.metrics if getattr(found, "name", None) == "compile_metrics"
+            for metric in found.metrics]
+
+
+def _label(entry):
+    if isinstance(entry, dict):  # serialised
+        return entry.get("config") if entry.get("class_name") == "function" else entry.get("class_name")
+    return entry if isinstance(entry, str) else getattr(entry, "name", None) or getattr(entry, "__name__", repr(entry))
+
+
+def check_compiled_model(layer):
+    """Refuses Keras' own losses and metrics on the keras-dvi outputs of the model being trained
+    or evaluated (`keras_dvi.objective.stepping_model`), naming them and the keras-dvi replacement: a
+    `ValueError` for a functional or `Sequential` model, whose outputs' producers are known,
+    and a warning for a subclassed one (its outputs cannot be traced to their layers). Checked
+    once per compiled step function; `layer` is the network's first keras-dvi layer."""
+    model = objective.stepping_model()
+    if model is None:
+        return
+    key = (id(model), id(model.train_function), id(model.test_function))
+    if getattr(layer, "_checked_compile", None) == key:
+        return
+    try:
+        outputs = keras.tree.flatten(model.outputs)
+    except (AttributeError, ValueError):  # a subclassed model
+        outputs = None
+    if outputs is None:
+        names, ours, known = ["output"], {"output": layer}, False
+    else:
+        names = list(getattr(model, "output_names", None) or [f"output_{i}" for i in range(len(outputs))])
+        ours = {name: producer_of(tensor) for name, tensor in zip(names, outputs) if producer_of(tensor) is not None}
+        known = True
+    refused = []
+    arguments = [("loss", model.loss, "loss")]
+    metrics = _compiled_metrics(model)
+    if metrics is not None:
+        arguments += [(argument, value, "metric") for argument, value in metrics.items()]
+    elif len(ours) == len(names):  # every output is keras-dvi's: any built Keras metric reads one
+        arguments.append(("metrics", _built_metrics(model), "metric"))
+    for argument, value, kind in arguments:
+        for name, entries in _per_output(value, names).items():
+            builtins = [_label(entry) for entry in entries if name in ours and is_keras_builtin(entry, kind)]
+            if builtins:
+                refused.append((f"{argument}={builtins[0]!r}" if kind == "loss" else f"{argument}={builtins}", ours[name]))
+                break
+    layer._checked_compile = key  # refused compile configs are checked again at every step
+    for argument, producer in refused[:1]:
+        message = (
+            f"`model.compile({argument})` gives Keras' own loss or metric to the keras-dvi output "
+            + (f"of layer {type(producer).__name__} {producer.name!r}" if known else
+               f"of model {model.name!r} (whose first keras-dvi layer is {producer.name!r})")
+            + f". {_FIX}"
+        )
+        if known:
+            del layer._checked_compile
+            raise ValueError(message)
+        warnings.warn(message + " (This subclassed model's outputs cannot be traced to their layers: if "
+                      "its output is not a keras-dvi output, ignore this warning.)", UserWarning, stacklevel=2)

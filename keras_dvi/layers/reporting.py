@@ -9,6 +9,7 @@ import keras
 from keras import ops
 
 from keras_dvi import objective, validation
+from keras_dvi.layers import boundary
 from keras_dvi.layers.boundary import KerasDVILayer
 
 #: Name of the step counter variable (saved with the model).
@@ -74,7 +75,8 @@ class ELBOReportingLayer(KerasDVILayer):
 
     def _start_network(self, training=False, inputs=None):
         """Opens the step's hand-off if this is the network's first keras-dvi layer, whose data
-        `inputs` (2-D) also check `num_train` against the batch when training."""
+        `inputs` (2-D) also check `num_train` against the batch when training; in a step of
+        `fit` / `evaluate`, checks the model's compiled losses and metrics first."""
         if self._tracker_ref.tracker is None:
             return
         num_train = self._num_train()
@@ -82,6 +84,7 @@ class ELBOReportingLayer(KerasDVILayer):
         if training and rows is not None and num_train is not None and not getattr(self, "_checked_num_train", False):
             self._checked_num_train = True
             validation.num_train_against_batch(num_train, int(rows), f"{type(self).__name__} {self.name!r}")
+        boundary.check_compiled_model(self)
         objective.start_step(self._tracker_ref.tracker, training, self.name, inputs)
 
     def kl_weight_value(self, training=False):
