@@ -19,25 +19,78 @@ Where the state lives (every backend, every kind of model):
   the schedule where it stopped);
 * the first keras-dvi layer of a network (the one whose input is deterministic data) owns the
   network's `ELBOTracker` metric, so `model.metrics` lists it once;
-* within one training or test step, the layers hand their KL values to the keras-dvi loss,
-  which updates the tracker. The hand-off is a thread-local scope like Keras' own (it holds
-  tensors of the step being traced and nothing between steps); it is needed because under
-  JAX only updates made inside the loss computation reach the metrics.
+* within one step of `fit` or `evaluate`, the layers hand their KL values to the keras-dvi
+  loss, which updates the tracker (under JAX only updates made inside the loss computation
+  reach the metrics). The hand-off is a `StepRecord` that the network's first layer opens on
+  the model being stepped (`stepping_model`: the `self` of Keras' `train_step` / `test_step`,
+  found on the Python call stack, since the step's Python code runs while it is traced) and
+  the loss closes. No module holds state, and no private Keras attribute is read. A custom
+  training loop that calls the model and the loss itself logs nothing through the tracker
+  (its `model.losses` hold the weighted KL terms); `model(x)` and `predict` open no record.
 
-The hand-off also makes two misuses loud, when a training step runs or is traced: a step that
-no keras-dvi loss closes before the metrics are read (the model was compiled with a Keras loss
-such as `"mse"`, which reads packed moments as predictions), and a second keras-dvi layer
+The hand-off also makes three misuses loud, when a training step runs or is traced: a step
+that no keras-dvi loss closes before the metrics are read (the model was compiled with a loss
+such as `"mse"`, which reads packed moments as predictions; `keras_dvi.layers.boundary` refuses
+Keras' own losses and metrics earlier, this catches custom ones), a second keras-dvi layer
 taking data inputs in the same training pass (a plain layer such as `Flatten` turned
-keras-dvi moments into features).
+keras-dvi moments into features), and a 3-D input that no keras-dvi layer of the pass
+produced (a plain layer such as `Dropout` between keras-dvi layers of a subclassed model).
 """
 
-import threading
+import inspect
 import warnings
 
 import keras
 from keras import ops
 
-_STEP = threading.local()
+#: The attribute of a model holding the `StepRecord` of its current step.
+RECORD = "keras_dvi_step"
+
+#: Methods of `keras.Model` whose `self` is the model being stepped, nearest on the call stack
+#: first: the step methods (also under JAX and custom `train_step`s), then the public loops
+#: (whose symbolic build runs a forward pass and the loss before the first step).
+_STEPPING_METHODS = ("train_step", "test_step", "fit", "evaluate", "train_on_batch", "test_on_batch")
+
+
+def stepping_model():
+    """The `keras.Model` whose `fit`, `evaluate` or train or test step is running (or being
+    traced) in this thread, or `None`: a forward pass outside them (`model(x)`, `predict`, a
+    custom training loop). Found on the Python call stack (the `self` of the nearest of those
+    methods); no Keras attribute is read."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name in _STEPPING_METHODS:
+                model = frame.f_locals.get("self")
+                if isinstance(model, keras.Model):
+                    return model
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+class StepRecord:
+    """The hand-off of one step of a network: its tracker, whether it trains, its first layer's
+    name, the computation it is traced in, the KL values of its layers and the tensors they
+    produced. Open from the first layer's call to the keras-dvi loss (or the metrics' read)."""
+
+    def __init__(self, tracker, training, head, trace):
+        self.tracker, self.training, self.head, self.trace = tracker, bool(training), head, trace
+        self.kl, self.produced = [], []
+        self.open = True
+
+    def close(self):
+        self.open = False
+        kl, self.kl, self.produced = self.kl, [], []
+        return kl
+
+
+def _open_record():
+    """The open `StepRecord` of the model being stepped, or `None`."""
+    model = stepping_model()
+    record = None if model is None else getattr(model, RECORD, None)
+    return record if record is not None and record.open else None
 
 
 def kl_ramp(step, warmup_steps, delay_steps=0):
@@ -76,20 +129,23 @@ class ELBOTracker(keras.metrics.Metric):
         """`{"nll": ..., "kl": ...}`. Keras reads it at the end of every training or test step,
         after the loss: a step of this network still open then was scored by no keras-dvi loss
         (a warning if it was a training step), and is closed."""
-        if getattr(_STEP, "tracker", None) is self:
-            _STEP.tracker = None
-            if _STEP.training and not getattr(self, "warned_loss", False):
-                self._warn_no_loss()
+        record = getattr(self, "open_record", None)
+        if record is not None:
+            self.open_record = None
+            if record.open:
+                record.close()
+                if record.training and not getattr(self, "warned_loss", False):
+                    self._warn_no_loss(record.head)
         steps = ops.maximum(self.steps, 1.0)
         return {"nll": self.nll_total / steps, "kl": self.kl_total / steps}
 
-    def _warn_no_loss(self):
+    def _warn_no_loss(self, head):
         self.warned_loss = True
         warnings.warn(
-                f"The network whose first keras-dvi layer is {_STEP.head!r} trained a step that no "
+                f"The network whose first keras-dvi layer is {head!r} trained a step that no "
                 "keras-dvi loss scored: its loss reads the packed output (mean and (co)variance "
-                "rows, or weight samples) as if it were a prediction, e.g. `loss=\"mse\"` on a "
-                "DVI output, and its `nll` is not logged. Compile with a keras-dvi loss: "
+                "rows, or weight samples) as if it were a prediction, and its `nll` is not "
+                "logged. Compile with a keras-dvi loss: "
                 "`keras_dvi.HeteroscedasticELL()` (regression) or `keras_dvi.SoftmaxDeltaELL()` "
                 "(classification); `SampledHeteroscedasticELL` / `SampledSoftmaxELL` for sampled layers. "
                 "(A custom loss that reads the moments with `keras_dvi.unpack` is legitimate.)",
@@ -104,31 +160,74 @@ class ELBOTracker(keras.metrics.Metric):
 
 def start_step(tracker, training=False, head=None, inputs=None):
     """Called by the first keras-dvi layer of a forward pass (named `head`, reading the data
-    `inputs`): opens the hand-off of the step. Warns when a training step of another network's
-    first layer is still open in the same computation: two keras-dvi layers took data inputs
-    in one training pass."""
-    previous = getattr(_STEP, "tracker", None)
+    `inputs`): opens the step's `StepRecord` on the model being stepped (nothing outside `fit`
+    / `evaluate`). Warns when a training step of another network's first layer is still open
+    in the same computation: two keras-dvi layers took data inputs in one training pass."""
+    model = stepping_model()
+    if model is None:
+        return
+    previous = getattr(model, RECORD, None)
     trace = None if inputs is None else _trace_of(inputs)
-    if (training and previous is not None and previous is not tracker and _STEP.training
-            and _STEP.trace is trace and not getattr(tracker, "warned_second_head", False)):
+    if (training and previous is not None and previous.open and previous.tracker is not tracker
+            and previous.training and previous.trace is trace and not getattr(tracker, "warned_second_head", False)):
         tracker.warned_second_head = True
         warnings.warn(
-            f"keras-dvi layers {_STEP.head!r} and {head!r} both take data (2-D) inputs in one "
+            f"keras-dvi layers {previous.head!r} and {head!r} both take data (2-D) inputs in one "
             "training pass. If a plain Keras layer such as Flatten or Dense turns the first "
             "one's packed moments into plain features for the second, remove it: keras-dvi "
             "layers take each other's outputs directly. (A network with two keras-dvi branches "
-            f"on the data is legitimate, but its logged `kl` leaves out the branch of {_STEP.head!r}.)",
+            f"on the data is legitimate, but its logged `kl` leaves out the branch of {previous.head!r}.)",
             UserWarning,
             stacklevel=2,
         )
-    _STEP.tracker, _STEP.training, _STEP.head, _STEP.trace = tracker, bool(training), head, trace
-    _STEP.kl = []
+    record = StepRecord(tracker, training, head, trace)
+    setattr(model, RECORD, record)
+    tracker.open_record = record
+
+
+def record_outputs(outputs):
+    """Called by every keras-dvi layer with its outputs: the tensors a later keras-dvi layer of
+    the same pass may read (see `check_inputs`)."""
+    record = _open_record()
+    if record is not None:
+        record.produced.extend(keras.tree.flatten(outputs))
+
+
+def check_inputs(layer, inputs):
+    """Warns (once per layer) when a 3-D input reaches `layer` in a training pass that no
+    keras-dvi layer of the pass produced: a plain layer (`Dropout`, `BatchNormalization`, ...)
+    between keras-dvi layers of a subclassed model, where no symbolic build stamps tensors
+    (`keras_dvi.layers.boundary`). Tensors are compared by identity within the pass's trace."""
+    if getattr(layer, "warned_inputs", False):
+        return
+    record = _open_record()
+    if record is None or not record.training:
+        return
+    for tensor in keras.tree.flatten(inputs):
+        shape = getattr(tensor, "shape", None)
+        if shape is None or len(shape) != 3 or _trace_of(tensor) is not record.trace:
+            continue
+        if not any(tensor is produced for produced in record.produced):
+            layer.warned_inputs = True
+            warnings.warn(
+                f"Layer {type(layer).__name__} {layer.name!r} receives a 3-D input of shape "
+                f"{tuple(shape)} that no keras-dvi layer of this training pass produced: a plain "
+                "Keras operation (Dropout, BatchNormalization, Dense, an activation, ...) changed "
+                "the packed means and (co)variances (or weight samples) between keras-dvi layers, "
+                "treating them as numbers. Pass keras-dvi layers each other's outputs directly: "
+                "they apply their own activation (`activation=`) and model weight noise "
+                "themselves (no Dropout needed).",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
 
 
 def add_kl(kl):
     """Called by every keras-dvi layer with a prior: its `KL / N` for the current step."""
-    if getattr(_STEP, "tracker", None) is not None:
-        _STEP.kl.append(ops.stop_gradient(kl))
+    record = _open_record()
+    if record is not None:
+        record.kl.append(ops.stop_gradient(kl))
 
 
 def _trace_of(tensor):
@@ -150,11 +249,10 @@ def report_nll(nll):
     """Called by the keras-dvi losses with the batch mean `nll`: closes the hand-off. KL values
     left by a forward pass of another computation (a `predict` that no loss followed) are
     dropped, not mixed in."""
-    tracker = getattr(_STEP, "tracker", None)
-    if tracker is None:
+    record = _open_record()
+    if record is None:
         return
-    kl = _STEP.kl
-    _STEP.tracker, _STEP.kl = None, []
+    tracker, kl = record.tracker, record.close()
     trace = _trace_of(nll)
     if any(_trace_of(value) is not trace for value in kl):
         return

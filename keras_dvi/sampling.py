@@ -8,17 +8,14 @@ weights (internally a sample axis in front of the batch axis; the result is retu
 `(batch, samples, units)`, the one sample-axis convention of keras-dvi).
 """
 
-import contextlib
+import inspect
 import math
-import threading
 
 import keras
 import numpy as np
 from keras import ops
 
 from keras_dvi import deprecation, validation
-
-_STATE = threading.local()
 
 
 class SamplingContext:
@@ -29,19 +26,25 @@ class SamplingContext:
         self.seed_generator = seed_generator
 
 
+def _sampled_call(model, x, context):
+    """Calls `model` on `x` while `context` is active: every keras-dvi layer called below this
+    frame finds `context` (`current_context`)."""
+    return model(x, training=False)
+
+
 def current_context():
-    """The active `SamplingContext`, or `None` during ordinary moment propagation."""
-    return getattr(_STATE, "context", None)
-
-
-@contextlib.contextmanager
-def _sampling(context):
-    previous = current_context()
-    _STATE.context = context
+    """The `SamplingContext` of the `weight_samples` call running in this thread, or `None`
+    during ordinary moment propagation. Found on the Python call stack (the frame of
+    `_sampled_call`), so no module holds it."""
+    frame = inspect.currentframe()
     try:
-        yield context
+        while frame is not None:
+            if frame.f_code is _sampled_call.__code__:
+                return frame.f_locals.get("context")
+            frame = frame.f_back
+        return None
     finally:
-        _STATE.context = previous
+        del frame
 
 
 def _largest_kernel(model):
@@ -101,9 +104,7 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     remaining = int(num_samples)
     while remaining > 0:
         size = min(int(chunk_size), remaining)
-        with _sampling(SamplingContext(size, generator)):
-            out = model(x, training=False)
-        out = ops.convert_to_numpy(out)
+        out = ops.convert_to_numpy(_sampled_call(model, x, SamplingContext(size, generator)))
         if out.ndim != 3 or out.shape[0] != size:
             raise ValueError(
                 "Monte Carlo over the weights needs a model built from keras-dvi layers: its output had "
