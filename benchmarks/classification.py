@@ -138,6 +138,8 @@ def keras_dvi_network(method, num_train, classes, args, features=64):
         prior_args["kl_weight"] = args.kl_weight
     if args.kl_warmup_steps is not None:
         prior_args["kl_warmup_steps"] = args.kl_warmup_steps
+    if getattr(args, "prior_beta", None) is not None:
+        prior_args["beta"] = args.prior_beta
     prior = kd.EmpiricalBayesRegularizer(num_train, **prior_args)
     scale = getattr(args, "variance_scale", None)
     fan_ins = (features,) + HIDDEN
@@ -275,7 +277,7 @@ def recipe_label(method, args):
     library defaults (keras-dvi methods only), plus `_validation`."""
     parts = [method]
     if method in KERAS_DVI_METHODS:
-        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method", "variance_scale"):
+        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method", "variance_scale", "prior_beta"):
             value = getattr(args, name, None)
             if value is not None:
                 parts.append(f"{name}={value}")
@@ -346,6 +348,8 @@ def make_parser():
     parser.add_argument("--loss-method", default=None, help="SoftmaxDeltaELL method (default: the loss's)")
     parser.add_argument("--variance-scale", type=float, default=None,
                         help="keras-dvi methods: initial kernel variance = scale / fan_in (default: the layers')")
+    parser.add_argument("--prior-beta", type=float, default=None,
+                        help="beta of EmpiricalBayesRegularizer (default: the prior's, 10)")
     parser.add_argument("--prob-method", default=None, help="class_probabilities method (default: its default)")
     parser.add_argument("--summary-only", action="store_true")
     return parser

@@ -166,7 +166,7 @@ def build(method, input_dim, num_train, args):
     prior_args = {} if warmup is None else {"kl_warmup_steps": warmup}
     if args.kl_weight is not None:
         prior_args["kl_weight"] = args.kl_weight
-    prior = kd.EmpiricalBayesRegularizer(num_train, alpha=1.0, beta=10.0, **prior_args)
+    prior = kd.EmpiricalBayesRegularizer(num_train, alpha=1.0, beta=args.prior_beta, **prior_args)
     layers = [keras.Input((input_dim,))]
     if method == "mcvi":
         layers += [kd.DenseMCVI(w, "relu", num_samples=args.mcvi_samples, regularizer=prior) for w in args.hidden]
@@ -236,6 +236,8 @@ def run_one(folder, method, split, args):
         record["steps"], record["train_objective"] = steps, objective
     if args.kl_weight is not None:
         record["kl_weight"] = args.kl_weight
+    if args.prior_beta != 10.0:
+        record["prior_beta"] = args.prior_beta
     if args.validation:
         record["validation"] = True
     return record
@@ -393,6 +395,8 @@ def make_parser():
                              "default: half of --steps; 0: off)")
     parser.add_argument("--kl-weight", type=float, default=None,
                         help="KL weight after the warm-up (default: the prior's)")
+    parser.add_argument("--prior-beta", type=float, default=10.0,
+                        help="beta of EmpiricalBayesRegularizer (its default, the paper's: 10)")
     parser.add_argument("--validation", action="store_true",
                         help="score on 20%% of the training rows, not the test rows (recipe choices)")
     parser.add_argument("--inducing", type=int, default=100)
