@@ -81,7 +81,8 @@ class StepRecord:
         self.open = True
 
     def close(self):
-        self.open = False
+        """Closes the record and returns its KL values; it keeps no tensor or graph after."""
+        self.open, self.trace = False, None
         kl, self.kl, self.produced = self.kl, [], []
         return kl
 
