@@ -191,7 +191,8 @@ def check_compiled_model(layer):
             if builtins:
                 refused.append((f"{argument}={builtins[0]!r}" if kind == "loss" else f"{argument}={builtins}", ours[name]))
                 break
-    layer._checked_compile = key  # refused compile configs are checked again at every step
+    if not refused or not known:  # an error is raised again at the next step; a warning is not
+        layer._checked_compile = key
     for argument, producer in refused[:1]:
         message = (
             f"`model.compile({argument})` gives Keras' own loss or metric to the keras-dvi output "
@@ -200,7 +201,6 @@ def check_compiled_model(layer):
             + f". {_FIX}"
         )
         if known:
-            del layer._checked_compile
             raise ValueError(message)
         warnings.warn(message + " (This subclassed model's outputs cannot be traced to their layers: if "
                       "its output is not a keras-dvi output, ignore this warning.)", UserWarning, stacklevel=2)
