@@ -109,7 +109,8 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         batch_size: rows per forward pass (default: `model.predict`'s for sampled models, all
             rows at once for moment models).
         verbose: `model.predict` verbosity (sampled models).
-        seed: integer seed for reproducible draws, or `None`.
+        seed: integer seed for reproducible draws, or `None` (moment models in batches still
+            draw one set of weights for all batches).
     """
     num_samples = validation.positive_integer("num_samples", num_samples)
     first = sampling_layer(model)
@@ -117,6 +118,8 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         if batch_size is None:
             return sampling.weight_samples(model, x, num_samples, seed=seed)
         batch_size = validation.positive_integer("batch_size", batch_size)
+        if seed is None:  # one seed for every batch: each sample is one function on all rows
+            seed = int(np.random.default_rng().integers(2**31 - 1))
         x = np.asarray(x)
         return np.concatenate([sampling.weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
                                for i in range(0, len(x), batch_size)], axis=0)

@@ -278,6 +278,9 @@ def test_predict_samples_of_a_moment_network_errors_and_reproducibility():
     assert np.abs(a - c).max() > 0
     # Rows in batches draw the same weights (the seed restarts per batch): the same samples.
     np.testing.assert_allclose(predict_samples(model, x, 50, seed=3, batch_size=2), b, rtol=1e-5, atol=1e-6)
+    # Without a seed too: one row in two batches gets the same draws (one function per sample).
+    twice = predict_samples(model, np.concatenate([x[:1], x[:1]]), 50, batch_size=1)
+    np.testing.assert_allclose(twice[0], twice[1], rtol=1e-5, atol=1e-6)
     with pytest.warns(DeprecationWarning, match="predict_samples"):
         old = keras_dvi.sample_outputs(model, x, 50, seed=3)
     np.testing.assert_array_equal(old, np.swapaxes(b, 0, 1))
