@@ -317,6 +317,18 @@ def test_a_custom_loss_that_scores_no_keras_dvi_loss_warns_once(run_eagerly):
     assert _misuse_free(_fit_messages(right, x, y, epochs=1, batch_size=32))
 
 
+def test_a_loss_keras_cannot_serialise_is_not_mistaken_for_a_keras_loss():
+    """The compile check serialises what it cannot recognise; a lambda without source code
+    (defined in a console) made that raise `OSError` inside `fit`. It is a custom loss."""
+    x, y = _data(seed=20)
+    prior = kd.EmpiricalBayesRegularizer(640)
+    model = keras.Sequential([keras.Input((2,))] + _layers(prior))
+    loss = eval("lambda y_true, y_pred: keras.ops.mean(keras.ops.square(y_pred), axis=(1, 2))")  # no source
+    model.compile(keras.optimizers.Adam(1e-3), loss=loss)
+    messages = _fit_messages(model, x, y, epochs=1, batch_size=32)
+    assert [m for m in messages if "no keras-dvi loss scored" in m]
+
+
 def _classifier(prior, classes=3):
     return keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior),
                              kd.DenseDVI(classes, regularizer=prior)])

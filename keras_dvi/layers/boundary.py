@@ -16,6 +16,8 @@ layer), whose output Keras rebuilds without the stamp. Plain layers that mix row
 produce (`keras_dvi.validation.check_moments`).
 """
 
+import functools
+import types
 import warnings
 
 import keras
@@ -93,8 +95,15 @@ def is_keras_builtin(entry, kind):
             return False
         module = getattr(found, "__module__", "") if callable(found) else type(found).__module__
         return module.startswith("keras.")
+    if isinstance(entry, (types.FunctionType, functools.partial)):  # a Keras function, or a user's
+        function = entry.func if isinstance(entry, functools.partial) else entry
+        return str(getattr(function, "__module__", "")).startswith("keras.")
     if not isinstance(entry, dict):
-        return is_keras_builtin(keras.saving.serialize_keras_object(entry), kind)
+        try:
+            entry = keras.saving.serialize_keras_object(entry)
+        except Exception:  # noqa: BLE001 - an object Keras cannot serialise is not Keras' own
+            return False
+        return isinstance(entry, dict) and is_keras_builtin(entry, kind)
     if entry.get("class_name") == "function":  # functions are serialised by name only
         return is_keras_builtin(entry.get("config"), kind)
     if not str(entry.get("module", "")).startswith("keras."):
