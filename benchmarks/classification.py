@@ -233,6 +233,8 @@ def train(method, x, y, classes, seed, args):
 def run_one(method, split, args):
     """Trains `method` on split `split` and scores it on every evaluation set. For DVI networks
     each method of `class_probabilities` is scored on the same networks (`by_prob_method`)."""
+    import keras
+
     digits = args.dataset == "digits"
     x, y, x_eval, y_eval = load_split(split, args.validation, args.dataset)
     predict, seconds = train(method, x, y, int(y.max()) + 1, 1000 * split, args)
@@ -242,7 +244,8 @@ def run_one(method, split, args):
         model = predict.model
         logs = model.evaluate(x, y, verbose=0, return_dict=True)
         record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
-        record["config"] = {"prior": model.layers[0].regularizer.get_config(), "loss": model.loss.get_config()}
+        record["config"] = {"prior": model.layers[0].regularizer.get_config(), "loss": model.loss.get_config(),
+                            "kl_warmup_length": int(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length))}
     # Tabular data: clean scores only (no images to rotate, no 0-4 split).
     sets = _eval_sets(x_eval, split) if digits else {"clean": x_eval}
     by_set = {name: predict.all(inputs) for name, inputs in sets.items()}

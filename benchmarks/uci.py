@@ -231,6 +231,8 @@ def run_one(folder, method, split, args):
     if method == "gi":
         record["precision"] = args.gi_precision
     record["kl_warmup"] = warmup if warmup is not None else model.layers[0].regularizer.kl_warmup_steps
+    if record["kl_warmup"] == "auto":  # the length the first step planned
+        record["kl_warmup_length"] = int(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length))
     record["recipe"] = args.recipe
     if args.recipe == "defaults":
         record["steps"], record["train_objective"] = steps, objective
@@ -261,18 +263,22 @@ CHUNK, PATIENCE, MIN_DELTA = 500, 2, 0.005
 
 def fit_to_convergence(model, data, batch, args, seed):
     """Trains until the training objective (-ELBO / N on all training rows, with the full KL
-    weight: `val_loss` on the training data) stops improving, with Keras' own callbacks;
-    returns the number of steps taken."""
+    weight: `val_loss` on the training data) stops improving, with Keras' own callbacks held
+    back until the KL warm-up is over (`keras_dvi.AfterKLWarmup`: while the KL weight rises the
+    full objective need not improve); returns the number of steps taken."""
     import keras
     import tensorflow as tf
+
+    import keras_dvi as kd
 
     x, y = data["x"], data["y"]
     stream = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed).repeat()
               .batch(batch, drop_remainder=True))
     callbacks = [
-        keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.1, patience=PATIENCE, min_delta=MIN_DELTA),
-        keras.callbacks.EarlyStopping(monitor="val_loss", patience=2 * PATIENCE + 1, min_delta=MIN_DELTA,
-                                      restore_best_weights=True),
+        kd.AfterKLWarmup(keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.1, patience=PATIENCE,
+                                                           min_delta=MIN_DELTA)),
+        kd.AfterKLWarmup(keras.callbacks.EarlyStopping(monitor="val_loss", patience=2 * PATIENCE + 1,
+                                                       min_delta=MIN_DELTA, restore_best_weights=True)),
     ]
     history = model.fit(stream, epochs=max(1, args.max_steps // CHUNK), steps_per_epoch=CHUNK, verbose=0,
                         validation_data=(x, y), validation_batch_size=min(len(x), 4096), callbacks=callbacks)

@@ -8,8 +8,9 @@ Public API:
   `SampledHeteroscedasticELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
   `initialize_from_data(model, x, y)` and `set_sampling_seed(model, seed)`;
 * losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
-  `GaussianPriorRegularizer` (each with `num_train`, `kl_weight` and `kl_warmup_steps`); the
-  deprecated `KLWarmup` callback;
+  `GaussianPriorRegularizer` (each with `num_train`, `kl_weight` and `kl_warmup_steps`);
+  `AfterKLWarmup(callback)`, which holds a stopping or learning-rate rule back until the KL
+  warm-up is over; the deprecated `KLWarmup` callback;
 * `predict(model, x)`: predictions as NumPy arrays (mean, std, epistemic and aleatoric parts,
   intervals; or class probabilities and entropy);
 * `TargetScaling`: a regression head in the targets' own units;
@@ -50,6 +51,7 @@ _EXPORTS = {
     "EmpiricalBayesRegularizer": "keras_dvi.priors",
     "GaussianPriorRegularizer": "keras_dvi.priors",
     "KLWarmup": "keras_dvi.callbacks",
+    "AfterKLWarmup": "keras_dvi.callbacks",
     "unpack": "keras_dvi.packing",
     "predict": "keras_dvi.prediction",
     "sample_outputs": "keras_dvi.sampling",

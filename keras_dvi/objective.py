@@ -52,22 +52,61 @@ RECORD = "keras_dvi_step"
 _STEPPING_METHODS = ("train_step", "test_step", "fit", "evaluate", "train_on_batch", "test_on_batch")
 
 
+def _stepping_frame(names=_STEPPING_METHODS, model=None):
+    """`(model, method name, frame locals)` of the nearest frame on the Python call stack that
+    runs one of the `keras.Model` methods `names` (of `model`, if given), or `None`."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name in names:
+                found = frame.f_locals.get("self")
+                if isinstance(found, keras.Model) and (model is None or found is model):
+                    return found, frame.f_code.co_name, frame.f_locals
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
 def stepping_model():
     """The `keras.Model` whose `fit`, `evaluate` or train or test step is running (or being
     traced) in this thread, or `None`: a forward pass outside them (`model(x)`, `predict`, a
     custom training loop). Found on the Python call stack (the `self` of the nearest of those
     methods); no Keras attribute is read."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name in _STEPPING_METHODS:
-                model = frame.f_locals.get("self")
-                if isinstance(model, keras.Model):
-                    return model
-            frame = frame.f_back
+    found = _stepping_frame()
+    return None if found is None else found[0]
+
+
+def resolve_training(training):
+    """The training flag a keras-dvi layer acts on: `training` when Keras or the user set it,
+    else whether the layer runs inside Keras' `train_step` (of `fit`, `train_on_batch` or a
+    custom `train_step`). Keras hands `training=None` to the layers of a subclassed model whose
+    `call` does not pass it on (or has no `training` argument); a training step is a training
+    step all the same, so the KL warm-up advances and the step is logged as for any other
+    model. An explicit `training=False` is respected."""
+    if training is not None:
+        return bool(training)
+    found = _stepping_frame()
+    return found is not None and found[1] == "train_step"
+
+
+def planned_training_steps(model):
+    """The number of training steps the running `model.fit` plans: `(epochs - initial_epoch) *
+    steps per epoch`, or `None` outside `fit` or when the number of steps per epoch is unknown
+    (a dataset or generator of unknown length without `steps_per_epoch`). Read from `fit`'s
+    own arguments and the `History` callback's `params` (public Keras API); works while the
+    training step is traced."""
+    found = _stepping_frame(("fit",), model)
+    history = getattr(model, "history", None)
+    params = getattr(history, "params", None) or {}
+    if found is None or getattr(history, "model", None) is not model:
         return None
-    finally:
-        del frame
+    arguments = found[2]
+    epochs, steps = arguments.get("epochs"), params.get("steps")
+    if not isinstance(epochs, int) or params.get("epochs") != epochs or not isinstance(steps, int):
+        return None
+    initial = arguments.get("initial_epoch") or 0
+    return max(0, epochs - int(initial)) * steps
 
 
 class StepRecord:
@@ -97,13 +136,13 @@ def _open_record():
 def kl_ramp(step, warmup_steps, delay_steps=0):
     """Warm-up factor of the KL at training step `step` (0-based): 0 for `delay_steps` steps, then
     `min(1, (step - delay_steps + 1) / warmup_steps)` (1 without a warm-up). Works on Python
-    numbers and tensors."""
-    if not warmup_steps and not delay_steps:
+    numbers and tensors (`warmup_steps` too: a tensor is taken to be positive)."""
+    if isinstance(warmup_steps, (int, float)) and not warmup_steps and not delay_steps:
         return 1.0
     step = ops.cast(step, "float32")
-    if not warmup_steps:
+    if isinstance(warmup_steps, (int, float)) and not warmup_steps:
         return ops.cast(step >= delay_steps, "float32")
-    return ops.clip((step - delay_steps + 1.0) / float(warmup_steps), 0.0, 1.0)
+    return ops.clip((step - delay_steps + 1.0) / ops.cast(warmup_steps, "float32"), 0.0, 1.0)
 
 
 class ELBOTracker(keras.metrics.Metric):

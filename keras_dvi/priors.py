@@ -16,6 +16,8 @@ added to the objective. `GaussianPriorRegularizer` is a fixed `N(0, variance)` p
 paper's "DVI-fixed" ablation).
 """
 
+import math
+
 import keras
 from keras import ops
 
@@ -29,8 +31,33 @@ def gaussian_kl(mean, variance, prior_variance):
     return 0.5 * ops.sum(ops.log(prior_variance) - ops.log(variance) - 1.0 + ratio)
 
 
-#: Default length of the KL warm-up, in training steps (optimizer updates).
-DEFAULT_KL_WARMUP_STEPS = 3000
+#: Default KL warm-up: planned from the run (see `KLSettings` and `auto_kl_warmup_steps`).
+DEFAULT_KL_WARMUP_STEPS = "auto"
+#: `"auto"`: the share of the training steps `fit` plans over which the KL weight rises ...
+AUTO_KL_WARMUP_FRACTION = 0.75
+#: ... and its longest length, also its length when the run's length is unknown.
+AUTO_KL_WARMUP_MAX_STEPS = 3000
+
+
+def auto_kl_warmup_steps(planned_steps):
+    """The length of an `"auto"` KL warm-up for a run of `planned_steps` training steps (`None`:
+    unknown): `AUTO_KL_WARMUP_FRACTION` of the run (three quarters, rounded up), at least 1 step
+    and at most `AUTO_KL_WARMUP_MAX_STEPS` (3,000), so that every run ends on the full
+    objective, with at least a quarter of it trained there; the maximum when the length is
+    unknown. (The fraction was chosen on validation rows, BENCHMARKS.md.)"""
+    if planned_steps is None:
+        return AUTO_KL_WARMUP_MAX_STEPS
+    return max(1, min(AUTO_KL_WARMUP_MAX_STEPS, math.ceil(AUTO_KL_WARMUP_FRACTION * planned_steps)))
+
+
+def _kl_warmup_steps(value):
+    if isinstance(value, str) and value == "auto":
+        return value
+    return validation.non_negative_integer(
+        "kl_warmup_steps", value,
+        " or 'auto' (training steps over which the KL weight rises from 0; 0: no warm-up; 'auto': "
+        "three quarters of the steps `fit` plans, at most 3000)",
+    )
 
 
 class KLSettings:
@@ -47,19 +74,23 @@ class KLSettings:
             likelihood): a departure from Bayesian inference, sometimes better calibrated on
             small data sets (BENCHMARKS.md).
         kl_warmup_steps: training steps (optimizer updates) over which the KL weight rises
-            linearly from 0 to `kl_weight` (default 3000; 0 turns the warm-up off). Without it,
-            a network with many weights per training example is pulled to the prior by the
-            KL's gradient before the data term can act, and stays there (BENCHMARKS.md).
-            Counted per layer in its `kl_step` variable, on every backend; evaluation always
-            uses `kl_weight`.
+            linearly from 0 to `kl_weight`, or `"auto"` (the default): three quarters of the
+            training steps that the first `fit` of the network plans (`epochs *
+            steps_per_epoch`), at most 3,000 steps, so that every run ends on the objective
+            `kl_weight` asks for, at least its last quarter trained there (3,000 steps when
+            `fit` cannot know its length, or training runs outside `fit`).
+            The length is fixed at the first training step and saved with the model (the
+            layers' `kl_warmup_length`), so a later `fit` or a reloaded model continues the
+            same schedule. 0 turns the warm-up off. Without a warm-up, a network with many
+            weights per training example is pulled to the prior by the KL's gradient before
+            the data term can act, and stays there (BENCHMARKS.md). Counted per layer in its
+            `kl_step` variable, on every backend; evaluation always uses `kl_weight`.
     """
 
     def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         self.num_train = None if num_train is None else validation.num_train(num_train)
         self.kl_weight = validation.positive_number("kl_weight", kl_weight)
-        self.kl_warmup_steps = validation.non_negative_integer(
-            "kl_warmup_steps", kl_warmup_steps, " (training steps over which the KL weight rises from 0; 0: no warm-up)"
-        )
+        self.kl_warmup_steps = _kl_warmup_steps(kl_warmup_steps)
 
     def get_config(self):
         return {

@@ -112,10 +112,9 @@ def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     jax_run = np.load(out)
     assert losses[1, 1] < losses[1, 0]  # it trained (nll)
-    # Inside the default warm-up (W = 3,000 steps): (loss - nll) / kl is the mean KL weight of
-    # the epoch's 4 steps, (1 + 2 + 3 + 4) / 4W then (5 + ... + 8) / 4W.
-    from keras_dvi.priors import DEFAULT_KL_WARMUP_STEPS as warmup
-    np.testing.assert_allclose((losses[0] - losses[1]) / losses[2], [10 / (4 * warmup), 26 / (4 * warmup)], rtol=0.05)
+    # The default warm-up is three quarters of the 8 planned steps: (loss - nll) / kl is the mean
+    # KL weight of each epoch's 4 steps, (1 + 2 + 3 + 4) / 24, then (5 + 6 + 6 + 6) / 24.
+    np.testing.assert_allclose((losses[0] - losses[1]) / losses[2], [10 / 24, 23 / 24], rtol=0.05)
     np.testing.assert_allclose(jax_run["losses"], losses, rtol=1e-4)  # loss, nll and kl
     np.testing.assert_allclose(jax_run["predictions"], predictions, rtol=1e-3, atol=1e-4)
 

@@ -1,9 +1,11 @@
-"""`.keras` files saved by keras-dvi 0.1.0.dev0 (before the layers had a `kl_step` counter and
-the priors a KL schedule) still load, predict the same numbers and train on.
+"""`.keras` files saved by earlier keras-dvi 0.1.0.dev0 code still load, predict the same numbers
+and train on: files from before the layers had a `kl_step` counter and the priors a KL schedule,
+and files from before the `"auto"` warm-up (with `kl_step`, without `kl_warmup_length`).
 
-The files in `tests/data/` were written with that version (commit a14b115) by training small
-regression, MCVI and global-inducing networks; `v0.1.0.dev0_expected.npz` holds its inputs and
-predictions."""
+The files `tests/data/v0.1.0.dev0_*` were written at commit a14b115 by training small
+regression, MCVI and global-inducing networks (`v0.1.0.dev0_expected.npz`: their inputs and
+predictions); `tests/data/v0.1.0.dev0-kl_step_*` at commit 78098a0 by training a regression
+network for 4 steps with the then-default 3,000-step warm-up."""
 
 import os
 
@@ -49,3 +51,15 @@ def test_mcvi_and_global_inducing_models_load(expected):
     if keras.backend.backend() == "tensorflow":  # the file's draws were TensorFlow's random numbers
         np.testing.assert_allclose(samples, expected["gi_samples"], rtol=1e-5, atol=1e-6)
     assert samples.shape == expected["gi_samples"].shape and np.isfinite(samples).all()
+
+
+def test_a_file_from_before_the_auto_warm_up_resumes_its_schedule():
+    model = keras.saving.load_model(os.path.join(DATA, "v0.1.0.dev0-kl_step_regression.keras"), safe_mode=True)
+    expected = np.load(os.path.join(DATA, "v0.1.0.dev0-kl_step_expected.npz"))
+    np.testing.assert_allclose(model.predict(expected["x"], verbose=0), expected["regression"], rtol=1e-6, atol=1e-7)
+    layer = model.layers[0]
+    assert layer.regularizer.kl_warmup_steps == 3000  # saved in its config: the schedule it trained with
+    assert float(to_numpy(layer.kl_step)) == 4.0 and float(to_numpy(layer.kl_warmup_length)) == 0.0
+    assert float(to_numpy(layer.kl_weight_value(training=True))) == pytest.approx(5 / 3000)
+    model.fit(expected["x"], expected["y"], epochs=1, batch_size=8, verbose=0)
+    assert float(to_numpy(layer.kl_step)) == 6.0

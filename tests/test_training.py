@@ -31,6 +31,24 @@ class SubclassedNetwork(keras.Model):
         return self.head(self.second(self.first(inputs, training=training), training=training), training=training)
 
 
+class PlainSubclassedNetwork(SubclassedNetwork):
+    """Written the way Keras' guides write simple models: no `training` argument."""
+
+    def call(self, inputs):
+        return self.head(self.second(self.first(inputs)))
+
+
+class ForgetfulSubclassedNetwork(SubclassedNetwork):
+    """Takes `training` but does not pass it on to its layers."""
+
+    def call(self, inputs, training=None):
+        return self.head(self.second(self.first(inputs)))
+
+
+SUBCLASSED = {"subclassed": SubclassedNetwork, "subclassed_plain": PlainSubclassedNetwork,
+              "subclassed_forgetful": ForgetfulSubclassedNetwork}
+
+
 def _model(kind, prior):
     if kind == "sequential":
         return keras.Sequential([keras.Input((2,))] + _layers(prior))
@@ -40,15 +58,15 @@ def _model(kind, prior):
         for layer in _layers(prior):
             outputs = layer(outputs)
         return keras.Model(inputs, outputs)
-    model = SubclassedNetwork(prior)
+    model = SUBCLASSED[kind](prior)
     model(np.zeros((1, 2), "float32"))
     return model
 
 
-def _frozen_fit(model, x, y, epochs, **fit_args):
+def _frozen_fit(model, x, y, epochs, batch_size=None, **fit_args):
     """`fit` with SGD at learning rate 0: the weights, so the nll and KL, stay as they are."""
     model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
-    return model.fit(x, y, batch_size=len(x), epochs=epochs, shuffle=False, verbose=0, **fit_args).history
+    return model.fit(x, y, batch_size=batch_size or len(x), epochs=epochs, shuffle=False, verbose=0, **fit_args).history
 
 
 def _parts(model, x, y, num_train):
@@ -83,11 +101,14 @@ def test_kl_weight_tempers_the_kl_term():
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0, return_dict=True)["loss"], nll + 0.25 * kl, rtol=1e-5)
 
 
+KINDS = ("sequential", "functional", "subclassed", "subclassed_plain", "subclassed_forgetful")
+
+
 def test_every_kind_of_model_logs_the_whole_objective_once():
     x, y = _data(seed=2)
     logs = {}
-    for kind in ("sequential", "functional", "subclassed"):
-        keras.utils.set_random_seed(5)  # the same initial weights for the three
+    for kind in KINDS:
+        keras.utils.set_random_seed(5)  # the same initial weights for every kind
         model = _model(kind, kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=2))
         history = _frozen_fit(model, x, y, epochs=3)
         assert [m.name for m in model.metrics].count("elbo") == 1
@@ -95,9 +116,119 @@ def test_every_kind_of_model_logs_the_whole_objective_once():
         np.testing.assert_allclose(history["kl"], kl, rtol=1e-5)  # every layer's KL
         np.testing.assert_allclose(history["loss"], nll + np.array([0.5, 1.0, 1.0]) * kl, rtol=1e-5)
         logs[kind] = history
-    for kind in ("functional", "subclassed"):
+    for kind in KINDS[1:]:
         for key in ("loss", "nll", "kl"):
             np.testing.assert_allclose(logs[kind][key], logs["sequential"][key], rtol=1e-5)
+
+
+def test_every_way_of_writing_a_model_trains_the_same():
+    """Keras hands `training=None` to the layers of a subclassed model whose `call` has no
+    `training` argument or does not pass it on; its training steps still advance the KL
+    warm-up, so it logs the same `nll` / `kl` and reaches the same weights as a `Sequential`
+    from the same start, with the default ("auto") warm-up."""
+    x, y = _data(seed=6)
+    runs = {}
+    for kind in KINDS:
+        keras.utils.set_random_seed(7)
+        model = _model(kind, kd.EmpiricalBayesRegularizer(64))
+        model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+        history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+        layers = [layer for layer in model.layers if isinstance(layer, kd.layers.BayesianLayer)]
+        assert [float(to_numpy(layer.kl_step)) for layer in layers] == [12.0] * 3, kind
+        assert [float(to_numpy(layer.kl_warmup_length)) for layer in layers] == [9.0] * 3, kind
+        runs[kind] = history, [to_numpy(w) for w in model.trainable_weights]
+    loss, weights = runs["sequential"]
+    assert loss["loss"][1] > loss["nll"][1]  # the KL weight came in
+    for kind in KINDS[1:]:
+        for key in ("loss", "nll", "kl"):
+            np.testing.assert_allclose(runs[kind][0][key], loss[key], rtol=1e-5, err_msg=f"{kind} {key}")
+        for got, want in zip(runs[kind][1], weights):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=kind)
+
+
+def test_an_explicit_training_false_is_respected():
+    class Frozen(SubclassedNetwork):
+        def call(self, inputs, training=None):
+            return self.head(self.second(self.first(inputs, training=False), training=False), training=False)
+
+    x, y = _data(seed=8)
+    model = Frozen(kd.EmpiricalBayesRegularizer(64))
+    model(x[:1])
+    _frozen_fit(model, x, y, epochs=2)
+    assert float(to_numpy(model.first.kl_step)) == 0.0  # the user's choice, not a training step
+
+
+@pytest.mark.parametrize("epochs, batch", [(10, 64), (10, 6)])  # 10 and 110 training steps
+def test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for(epochs, batch):
+    """The default warm-up is three quarters of the steps `fit` plans (at most 3,000), so the
+    last quarter of every run trains `nll + kl_weight * kl`, whatever its length and batch size."""
+    x, y = _data(seed=9)
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64, kl_weight=0.5))
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL(), steps_per_execution=5)
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0).history
+    steps = epochs * -(-len(x) // batch)
+    layer = model.layers[0]
+    assert float(to_numpy(layer.kl_warmup_length)) == -(-3 * steps // 4)
+    assert float(to_numpy(layer.kl_weight_value(training=True))) == pytest.approx(0.5)
+    assert layer.kl_warmup_done()
+    nll, kl = _parts(model, x, y, 64)
+    np.testing.assert_allclose(history["loss"][-1], nll + 0.5 * kl, rtol=1e-5)  # the last epoch
+
+
+def test_the_auto_warm_up_length_for_runs_of_any_length():
+    from keras_dvi.priors import auto_kl_warmup_steps
+
+    for steps in (1, 2, 100, 1_000, 10_000, 100_000):
+        length = auto_kl_warmup_steps(steps)
+        assert 1 <= length <= steps and length <= 3000  # the last step trains the full weight
+    assert [auto_kl_warmup_steps(s) for s in (100, 1_000, 10_000, 100_000)] == [75, 750, 3000, 3000]
+    assert auto_kl_warmup_steps(None) == 3000  # a run of unknown length
+
+
+def test_the_auto_warm_up_is_planned_once_and_without_a_known_length_is_3000_steps(tmp_path):
+    x, y = _data(seed=10)
+
+    def batches():  # a generator: `fit` cannot know its length
+        for i in range(0, 64, 16):
+            yield x[i:i + 16], y[i:i + 16]
+
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
+    model.fit(batches(), epochs=1, verbose=0)
+    assert float(to_numpy(model.layers[0].kl_warmup_length)) == 3000
+
+    class StopAfter(keras.callbacks.Callback):  # an interrupted run: stopped inside its warm-up
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = batch >= 2
+
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
+    model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[StopAfter()])  # plans 80 steps
+    assert float(to_numpy(model.layers[0].kl_step)) == 3 and not model.layers[0].kl_warmup_done()
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    loaded.fit(x, y, batch_size=64, epochs=1, verbose=0)  # a later run keeps the plan
+    assert [float(to_numpy(layer.kl_warmup_length)) for layer in loaded.layers] == [60.0] * 3
+    assert float(to_numpy(loaded.layers[0].kl_weight_value(training=True))) == pytest.approx(5 / 60)
+
+
+def test_after_kl_warmup_holds_a_stopping_rule_back_until_the_warm_up_is_over():
+    """With frozen weights the training loss rises while the KL weight comes in (the first 15
+    epochs of a 20-epoch run), then stays level: a bare EarlyStopping stops at the first rise;
+    wrapped, it counts its patience from the end of the warm-up."""
+    x, y = _data(seed=11)
+    stopped = {}
+    for wrap in (False, True):
+        model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
+        rule = keras.callbacks.EarlyStopping(monitor="loss", patience=2)
+        history = _frozen_fit(model, x, y, epochs=20, batch_size=8,
+                              callbacks=[kd.AfterKLWarmup(rule) if wrap else rule])
+        stopped[wrap] = len(history["loss"])
+        if wrap:
+            assert np.all(np.diff(history["loss"][:15]) > 0)  # the warm-up: 120 of the 160 steps
+    assert stopped == {False: 3, True: 17}  # wrapped: sees epochs 15-17, no gain after the first
+    with pytest.raises(ValueError, match="keras.callbacks.Callback"):
+        kd.AfterKLWarmup("early_stopping")
 
 
 def test_the_schedule_resumes_after_saving(tmp_path):
@@ -134,6 +265,9 @@ def test_prior_schedule_arguments_are_checked():
         kd.GaussianPriorRegularizer(10, kl_warmup_steps=-5)
     with pytest.raises(ValueError, match="kl_warmup_steps"):
         kd.EmpiricalBayesRegularizer(10, kl_warmup_steps=2.5)
+    with pytest.raises(ValueError, match="'auto'"):
+        kd.EmpiricalBayesRegularizer(10, kl_warmup_steps="half")
+    assert kd.EmpiricalBayesRegularizer(10).kl_warmup_steps == "auto"
 
 
 def _digits():

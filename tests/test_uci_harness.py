@@ -139,3 +139,27 @@ def test_wide_table_marks_results_within_one_standard_error_of_the_paper():
     cells = [c.strip() for c in row.strip("|").split("|")]
     # -0.50 >= -0.47 - 0.04: met; -0.75 < -0.68 - 0.05: missed; -0.60 beats -0.68.
     assert cells == ["yacht", "**-0.50 ± 0.04** (-0.47)", "", "-0.75 ± 0.05 (-0.68)", "**-0.60 ± 0.01** (-0.68) [2 splits]"]
+
+
+def test_the_convergence_rule_never_stops_inside_the_warm_up_or_just_after(monkeypatch):
+    """`--recipe defaults` stops when the full objective has not improved for 5 checks; while
+    the KL weight rises it need not improve, so the rule starts counting after the warm-up.
+    With frozen weights (nothing ever improves) the run stops exactly 5 checks after it."""
+    import argparse
+
+    import keras
+
+    import keras_dvi as kd
+
+    monkeypatch.setattr(uci, "CHUNK", 4)
+    rng = np.random.default_rng(1)
+    data = {"x": rng.normal(size=(32, 2)).astype("float32"), "y": rng.normal(size=(32,)).astype("float32")}
+    prior = kd.EmpiricalBayesRegularizer(32)
+    model = keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(4, "relu", regularizer=prior),
+                              kd.DenseDVI(2, regularizer=prior)])
+    model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
+    steps, _ = uci.fit_to_convergence(model, data, 8, argparse.Namespace(max_steps=160), seed=0)
+    # 40 checks planned: the warm-up is the first 120 steps (30 checks); the rule sees checks
+    # 30-35 and stops after 5 without a gain (without the wrapper it would stop after check 6).
+    assert float(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length)) == 120
+    assert steps == 35 * 4

@@ -247,6 +247,7 @@ class BayesianLayer(ELBOReportingLayer):
         context = sampling.current_context()
         if context is not None:
             return self._sample(inputs, context)
+        training = self._training(training)
         mean, second, kind = packing.split(inputs)
         mean = ops.cast(mean, self.moment_dtype)
         second = None if second is None else ops.cast(second, self.moment_dtype)

@@ -71,6 +71,7 @@ class DenseMCVI(DenseBase):
         return (input_shape[0], samples, self.units)
 
     def call(self, inputs, training=None):
+        training = self._training(training)
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)
         self._check_features(int(inputs.shape[-1]))

@@ -315,6 +315,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         )
 
     def call(self, inputs, training=None):
+        training = self._training(training)
         self._start_network(training, inputs if self._is_first else None)
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)

@@ -1,19 +1,20 @@
 """`ELBOReportingLayer`: the base of every keras-dvi layer that adds a KL term to the model.
 
 It holds the layer's part of the objective's state (`keras_dvi.objective`): the counter of
-training calls `kl_step` that drives the KL warm-up, and, in the first keras-dvi layer of a
-network, the network's `ELBOTracker` metric.
+training calls `kl_step` and the planned warm-up length `kl_warmup_length` that drive the KL
+warm-up, and, in the first keras-dvi layer of a network, the network's `ELBOTracker` metric.
 """
 
 import keras
 from keras import ops
 
-from keras_dvi import objective, validation
+from keras_dvi import objective, priors, validation
 from keras_dvi.layers import boundary
 from keras_dvi.layers.boundary import KerasDVILayer
 
-#: Name of the step counter variable (saved with the model).
-KL_STEP = "kl_step"
+#: Names of the schedule's variables (saved with the model, in this order after the layer's
+#: own): the training steps taken, and the length of an `"auto"` warm-up (0: not planned yet).
+KL_STEP, KL_WARMUP_LENGTH = "kl_step", "kl_warmup_length"
 
 
 class _TrackerRef:
@@ -63,11 +64,16 @@ class ELBOReportingLayer(KerasDVILayer):
         )
 
     def _build_kl_step(self, is_head):
-        self.kl_step = self.add_weight(
-            name=KL_STEP, shape=(), initializer="zeros", trainable=False, autocast=False
+        self.kl_step, self.kl_warmup_length = (
+            self.add_weight(name=name, shape=(), initializer="zeros", trainable=False, autocast=False)
+            for name in (KL_STEP, KL_WARMUP_LENGTH)
         )
         if is_head and self._tracker_ref.tracker is None:
             self._tracker_ref.tracker = objective.ELBOTracker()
+
+    def _training(self, training):
+        """The training flag this call acts on (`keras_dvi.objective.resolve_training`)."""
+        return objective.resolve_training(training)
 
     def _num_train(self):
         """The `N` this layer divides its KL by, or `None`."""
@@ -87,18 +93,52 @@ class ELBOReportingLayer(KerasDVILayer):
         boundary.check_compiled_model(self)
         objective.start_step(self._tracker_ref.tracker, training, self.name, inputs)
 
+    def _warmup(self):
+        """`(warmup_steps, delay_steps)`: the prior's warm-up, an `"auto"` one as planned (a
+        tensor; 0 before the first training step), or the `set_kl_warmup` override."""
+        if self._warmup_override is not None:
+            return self._warmup_override
+        warmup = self._kl_schedule()[1]
+        if warmup == "auto":
+            return ops.maximum(ops.convert_to_tensor(self.kl_warmup_length), 1.0), 0
+        return warmup, 0
+
     def kl_weight_value(self, training=False):
         """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;
         while training, times the warm-up factor of the current `kl_step`."""
-        kl_weight, warmup = self._kl_schedule()
-        warmup, delay = self._warmup_override or (warmup, 0)
-        if not training or not (warmup or delay):
+        kl_weight = self._kl_schedule()[0]
+        warmup, delay = self._warmup()
+        if not training or (isinstance(warmup, int) and not (warmup or delay)):
             return kl_weight
         return kl_weight * objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup, delay)
+
+    def kl_warmup_done(self):
+        """Whether the KL warm-up is over: the next training step's KL weight is `kl_weight`
+        (`False` before an `"auto"` warm-up is planned at the first training step). Read
+        eagerly, e.g. by `keras_dvi.AfterKLWarmup` at the end of an epoch."""
+        if self._warmup_override is None and self._kl_schedule()[1] == "auto":
+            if float(ops.convert_to_numpy(self.kl_warmup_length)) <= 0:
+                return False
+        warmup, delay = self._warmup()
+        ramp = objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup, delay)
+        return bool(float(ops.convert_to_numpy(ramp)) >= 1.0)
+
+    def _plan_kl_warmup(self):
+        """At a training step, fixes the length of an `"auto"` warm-up once (while
+        `kl_warmup_length` is 0): three quarters of the steps the running `fit` plans, at most 3,000
+        (`keras_dvi.priors.auto_kl_warmup_steps`); read when the step is traced."""
+        if self._warmup_override is not None or self._kl_schedule()[1] != "auto":
+            return
+        model = objective.stepping_model()
+        planned = priors.auto_kl_warmup_steps(None if model is None else objective.planned_training_steps(model))
+        length = ops.convert_to_tensor(self.kl_warmup_length)
+        self.kl_warmup_length.assign(ops.where(length > 0, length, ops.cast(planned, length.dtype)))
 
     def _report_kl_value(self, kl, training=False):
         """Adds `w_t * kl` to the model's losses and hands `kl` (the layer's unweighted `KL / N`,
         or `None` without a prior) to the step's loss; advances `kl_step` while training."""
+        if training:
+            self._plan_kl_warmup()
         if kl is not None:
             self.add_loss(ops.cast(self.kl_weight_value(training), kl.dtype) * kl)
             objective.add_kl(kl)
@@ -106,12 +146,15 @@ class ELBOReportingLayer(KerasDVILayer):
             self.kl_step.assign_add(ops.cast(1.0, self.kl_step.dtype))
 
     def load_own_variables(self, store):
-        """Loads files saved before `kl_step` existed (keras-dvi 0.1.0.dev0): their variables are
-        the same but for the counter, which then starts at 0."""
+        """Loads files saved before the schedule's variables existed: without `kl_step` (the
+        first keras-dvi 0.1.0.dev0 files; it then starts at 0) or without `kl_warmup_length`
+        (files saved before the `"auto"` warm-up; it is then planned at the next training
+        step). Their other variables are the same, in the same order."""
         variables = self.weights  # the order Keras saves them in (no sub-layers here)
-        if len(store.keys()) == len(variables) - 1:
-            others = [v for v in variables if v is not self.kl_step]
-            for i, variable in enumerate(others):
+        missing = len(variables) - len(store.keys())
+        if missing in (1, 2):
+            kept = variables[:-2] + ([self.kl_step] if missing == 1 else [])
+            for i, variable in enumerate(kept):
                 variable.assign(store[f"{i}"])
             return
         super().load_own_variables(store)
