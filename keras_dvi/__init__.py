@@ -4,6 +4,10 @@ Public API:
 
 * layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`, and the
   Monte Carlo baseline `DenseMCVI`;
+* convolutional layers `Conv1DDVI`, `Conv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
+  `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
+  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, and the Monte Carlo baselines
+  `Conv1DMCVI`, `Conv2DMCVI`;
 * global inducing points: `GlobalInducingDense`, `SampledHomoscedasticNoise`, the losses
   `SampledHeteroscedasticELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
   `initialize_from_data(model, x, y)` and `set_sampling_seed(model, seed)`;
@@ -18,7 +22,7 @@ Public API:
 * `predict_samples(model, x, num_samples, seed=None)`: output samples `(batch, samples, units)` of
   any keras-dvi model (for moment networks, the Monte Carlo reference over their weights); the
   deprecated `sample_outputs` returns them sample-first;
-* modules `moments` (closed-form moment maths), `predictive` (predictive distributions and
+* modules `moments` (closed-form moment maths), `conv_moments` (the same for feature maps), `predictive` (predictive distributions and
   metrics), `metrics` (Keras metrics for `compile`), `datasets` (bundled data).
 """
 
@@ -36,6 +40,18 @@ _EXPORTS = {
     "SkipDiagDVI": "keras_dvi.layers",
     "HomoscedasticNoise": "keras_dvi.layers",
     "TargetScaling": "keras_dvi.layers",
+    "Conv1DDVI": "keras_dvi.layers",
+    "Conv2DDVI": "keras_dvi.layers",
+    "Conv1DMCVI": "keras_dvi.layers",
+    "Conv2DMCVI": "keras_dvi.layers",
+    "MaxPooling1DDVI": "keras_dvi.layers",
+    "MaxPooling2DDVI": "keras_dvi.layers",
+    "AveragePooling1DDVI": "keras_dvi.layers",
+    "AveragePooling2DDVI": "keras_dvi.layers",
+    "GlobalAveragePooling1DDVI": "keras_dvi.layers",
+    "GlobalAveragePooling2DDVI": "keras_dvi.layers",
+    "FlattenDVI": "keras_dvi.layers",
+    "AddDVI": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
     "SampledHomoscedasticNoise": "keras_dvi.layers",
     "SampledHeteroscedasticELL": "keras_dvi.losses",
@@ -58,6 +74,7 @@ _EXPORTS = {
     "datasets": None,
     "metrics": None,
     "moments": None,
+    "conv_moments": None,
     "inducing": None,
     "predictive": None,
     "priors": None,

@@ -12,10 +12,10 @@ vector `a` is Gaussian with mean `m` and covariance `S`; `h = f(a)` is the activ
 Numerical design (tested at the edges):
 
 * Moments are written in unnormalised form (`m`, `sqrt(S)`, `S_jl`), so `mu` only appears
-  inside saturating functions (`phi`, `Phi`, `exp(-...)`). Clipping `mu` to +-`_MU_MAX` is
+  inside saturating functions (`phi`, `Phi`, `exp(-...)`). Clipping `mu` to +-`MU_MAX` is
   then exact to machine precision and the deterministic limit `S -> 0` is reached with finite
   values and gradients.
-* Variances are floored at `_VAR_FLOOR` before their square root; correlations are clipped
+* Variances are floored at `VARIANCE_FLOOR` before their square root; correlations are clipped
   strictly inside (-1, 1) before `arcsin` and `sqrt(1 - rho^2)`.
 * The 0/0 forms of the paper's correction at `rho -> 0` are evaluated by series, so a
   correlation of exactly zero (every layer after a deterministic input) has finite
@@ -41,10 +41,13 @@ LEAKY_SLOPE = 0.2
 #: Methods for the cross moments of two units through a nonlinearity.
 COVARIANCE_APPROXIMATIONS = ("paper", "exact")
 
-_MU_MAX = 60.0  # phi(60) underflows to 0 and Phi(60) == 1 in float64: clipping is exact.
-_VAR_FLOOR = 1e-12  # variances below this are treated as this (std 1e-6). The gradient of a
-# correlation involves std_j^3 std_l; with a smaller floor that product can be a float32
-# denormal, which XLA flushes to zero (NaN gradients under jit_compile=True).
+#: Standardised means are clipped to +-MU_MAX: phi(60) underflows to 0 and Phi(60) == 1 in
+#: float64, so clipping is exact.
+MU_MAX = 60.0
+#: Variances below this are treated as this (std 1e-6). The gradient of a correlation involves
+#: std_j^3 std_l; with a smaller floor that product can be a float32 denormal, which XLA flushes
+#: to zero (NaN gradients under jit_compile=True).
+VARIANCE_FLOOR = 1e-12
 _SQRT_2PI = math.sqrt(2.0 * math.pi)
 _TWO_PI = 2.0 * math.pi
 _SQRT_HALF = math.sqrt(0.5)
@@ -128,11 +131,11 @@ def _arcsin(x):
 
 
 def _safe_std(variance):
-    return ops.sqrt(ops.maximum(variance, _VAR_FLOOR))
+    return ops.sqrt(ops.maximum(variance, VARIANCE_FLOOR))
 
 
 def _standardise(mean, std):
-    return ops.clip(mean / std, -_MU_MAX, _MU_MAX)
+    return ops.clip(mean / std, -MU_MAX, MU_MAX)
 
 
 def _cdf_difference(a, b):

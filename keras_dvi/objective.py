@@ -33,11 +33,12 @@ that no keras-dvi loss closes before the metrics are read (the model was compile
 such as `"mse"`, which reads packed moments as predictions; `keras_dvi.layers.boundary` refuses
 Keras' own losses and metrics earlier, this catches custom ones), a second keras-dvi layer
 taking data inputs in the same training pass (a plain layer such as `Flatten` turned
-keras-dvi moments into features), and a 3-D input that no keras-dvi layer of the pass
+keras-dvi moments into features), and a packed input that no keras-dvi layer of the pass
 produced (a plain layer such as `Dropout` between keras-dvi layers of a subclassed model).
 """
 
 import inspect
+import sys
 import warnings
 
 import keras
@@ -52,10 +53,11 @@ RECORD = "keras_dvi_step"
 _STEPPING_METHODS = ("train_step", "test_step", "fit", "evaluate", "train_on_batch", "test_on_batch")
 
 
-def _stepping_frame(names=_STEPPING_METHODS, model=None):
+def _stepping_frame(names=_STEPPING_METHODS, model=None, frame=None):
     """`(model, method name, frame locals)` of the nearest frame on the Python call stack that
-    runs one of the `keras.Model` methods `names` (of `model`, if given), or `None`."""
-    frame = inspect.currentframe()
+    runs one of the `keras.Model` methods `names` (of `model`, if given), or `None`. `frame`:
+    the innermost frame to search from (default: the caller's)."""
+    frame = frame or inspect.currentframe()
     try:
         while frame is not None:
             if frame.f_code.co_name in names:
@@ -97,9 +99,20 @@ def planned_training_steps(model):
     own arguments and the `History` callback's `params` (public Keras API); works while the
     training step is traced."""
     found = _stepping_frame(("fit",), model)
+    if found is None:
+        # `tf.distribute.MirroredStrategy` traces each replica's step in a thread of its own,
+        # while `fit` runs in the caller's: look at every thread's stack (`sys._current_frames`
+        # is public Python API).
+        for frame in sys._current_frames().values():  # noqa: SLF001
+            found = _stepping_frame(("fit",), model, frame)
+            if found is not None:
+                break
     history = getattr(model, "history", None)
     params = getattr(history, "params", None) or {}
-    if found is None or getattr(history, "model", None) is not model:
+    # (`model.history` is set by the History callback of this model's `fit`; its `model`
+    # property is not read: on JAX it syncs the training state, which must not happen while
+    # the step is traced.)
+    if found is None:
         return None
     arguments = found[2]
     epochs, steps = arguments.get("epochs"), params.get("steps")
@@ -234,10 +247,11 @@ def record_outputs(outputs):
 
 
 def check_inputs(layer, inputs):
-    """Warns (once per layer) when a 3-D input reaches `layer` in a training pass that no
-    keras-dvi layer of the pass produced: a plain layer (`Dropout`, `BatchNormalization`, ...)
-    between keras-dvi layers of a subclassed model, where no symbolic build stamps tensors
-    (`keras_dvi.layers.boundary`). Tensors are compared by identity within the pass's trace."""
+    """Warns (once per layer) when a packed input (`layer.takes_packed`) reaches `layer` in a
+    training pass that no keras-dvi layer of the pass produced: a plain layer (`Dropout`,
+    `BatchNormalization`, ...) between keras-dvi layers of a subclassed model, where no
+    symbolic build stamps tensors (`keras_dvi.layers.boundary`). Tensors are compared by
+    identity within the pass's trace."""
     if getattr(layer, "warned_inputs", False):
         return
     record = _open_record()
@@ -245,12 +259,12 @@ def check_inputs(layer, inputs):
         return
     for tensor in keras.tree.flatten(inputs):
         shape = getattr(tensor, "shape", None)
-        if shape is None or len(shape) != 3 or _trace_of(tensor) is not record.trace:
+        if shape is None or not layer.takes_packed(shape) or _trace_of(tensor) is not record.trace:
             continue
         if not any(tensor is produced for produced in record.produced):
             layer.warned_inputs = True
             warnings.warn(
-                f"Layer {type(layer).__name__} {layer.name!r} receives a 3-D input of shape "
+                f"Layer {type(layer).__name__} {layer.name!r} receives a {len(shape)}-D input of shape "
                 f"{tuple(shape)} that no keras-dvi layer of this training pass produced: a plain "
                 "Keras operation (Dropout, BatchNormalization, Dense, an activation, ...) changed "
                 "the packed means and (co)variances (or weight samples) between keras-dvi layers, "

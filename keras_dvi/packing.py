@@ -4,10 +4,14 @@ Keras 3 hands a loss each model output separately, never a tuple, so every keras
 returns ONE tensor that packs the mean and the (co)variance along axis 1:
 
 * full covariance: shape `(batch, K + 1, K)`: row 0 is the mean, rows 1..K the covariance;
-* diagonal: shape `(batch, 2, K)`: row 0 is the mean, row 1 the variances.
+* diagonal: shape `(batch, 2, K)`: row 0 is the mean, row 1 the variances;
+* feature map (conv and pooling layers): shape `(batch, 3, *spatial, channels)`: row 0 the
+  means, row 1 the variances, row 2 the shared components (`keras_dvi.conv_moments`); a
+  `(batch, 2, *spatial, channels)` map (no shared components) is accepted as input.
 
-The two forms are told apart by shape alone (for `K = 1` they coincide and mean the same
-thing). A layer also accepts a deterministic `(batch, K)` tensor, or an explicit pair
+The dense forms are told apart by shape alone (for `K = 1` they coincide and mean the same
+thing); a feature map has one or two spatial axes more. A layer also accepts a deterministic
+`(batch, K)` tensor (a conv layer: `(batch, *spatial, channels)`), or an explicit pair
 `(mean, covariance)` / `(mean, variance)`. `unpack` turns any of these back into tensors.
 """
 
@@ -25,6 +29,66 @@ def pack(mean, second):
     if len(second.shape) == 3:
         return ops.concatenate([mean[:, None, :], second], axis=1)
     return ops.stack([mean, second], axis=1)
+
+
+#: Rows of a packed feature map: means, variances, shared components.
+MAP_ROWS = 3
+
+
+def pack_map(mean, variance, shared):
+    """Packs the moments of a feature map, each `(B, *spatial, C)`, into `(B, 3, *spatial, C)`."""
+    return ops.stack([mean, variance, shared], axis=1)
+
+
+def map_shape(input_shape, spatial, channels):
+    """Shape of a packed feature map with `spatial` positions and `channels`, batch size taken
+    from `input_shape`."""
+    nested = isinstance(input_shape, (list, tuple)) and isinstance(input_shape[0], (list, tuple))
+    batch = input_shape[0][0] if nested else input_shape[0]
+    return (batch, MAP_ROWS) + tuple(spatial) + (channels,)
+
+
+def structure_of_map(shape, rank, name="inputs"):
+    """Classifies the input shape of a layer on feature maps with `rank` spatial axes; returns
+    `(kind, spatial, channels)`: `DETERMINISTIC` for `(batch, *spatial, channels)` data,
+    `DIAGONAL` for a packed map `(batch, 2 or 3, *spatial, channels)` or a `(mean, variance)`
+    pair; raises `ValueError` naming `name` for anything else."""
+    nested = isinstance(shape, (list, tuple)) and any(isinstance(s, (list, tuple)) for s in shape)
+    if nested:
+        if len(shape) != 2 or tuple(shape[0]) != tuple(shape[1]) or len(shape[0]) != rank + 2:
+            raise ValueError(
+                f"Argument `{name}` given as a sequence must be a pair (mean, variance) of two feature "
+                f"maps of the same shape (batch, {', '.join(['size'] * rank)}, channels); received {shape}."
+            )
+        shape = tuple(shape[0])
+        return DIAGONAL, shape[1:-1], _static_dim(shape, -1)
+    shape = tuple(shape)
+    if len(shape) == rank + 2:
+        return DETERMINISTIC, shape[1:-1], _static_dim(shape, -1)
+    if len(shape) == rank + 3 and shape[1] in (2, MAP_ROWS):
+        return DIAGONAL, shape[2:-1], _static_dim(shape, -1)
+    dims = ", ".join(["size"] * rank)
+    raise ValueError(
+        f"Argument `{name}` must be data of shape (batch, {dims}, channels) or a packed keras-dvi "
+        f"feature map of shape (batch, 3, {dims}, channels) (means, variances, shared components); "
+        f"received shape {shape}."
+        + (" A dense keras-dvi output (batch, 2 or K + 1, K) has no spatial axes: conv and pooling "
+           "layers go before FlattenDVI / GlobalAveragePooling*DVI and the dense layers." if len(shape) == 3 and rank > 1 else "")
+    )
+
+
+def split_map(inputs, rank, name="inputs"):
+    """Splits the inputs of a layer on feature maps into `(mean, variance, shared, kind)`:
+    `variance` and `shared` are `None` for data; a map without shared components gets zeros."""
+    if isinstance(inputs, (list, tuple)):
+        kind, _, _ = structure_of_map((tuple(inputs[0].shape), tuple(inputs[1].shape)), rank, name)
+        mean, variance = inputs
+        return mean, variance, ops.zeros_like(mean), kind
+    kind, _, _ = structure_of_map(tuple(inputs.shape), rank, name)
+    if kind == DETERMINISTIC:
+        return inputs, None, None, kind
+    shared = inputs[:, 2] if inputs.shape[1] == MAP_ROWS else ops.zeros_like(inputs[:, 0])
+    return inputs[:, 0], inputs[:, 1], shared, kind
 
 
 def packed_shape(input_shape, units, full):
@@ -73,6 +137,12 @@ def structure_of_shape(shape, name="inputs"):
             )
         return kind, features
     shape = tuple(shape)
+    if len(shape) >= 4 and shape[1] in (2, MAP_ROWS):
+        raise ValueError(
+            f"Argument `{name}` is a packed keras-dvi feature map of shape {shape}: dense keras-dvi "
+            "layers take vectors. Put `keras_dvi.FlattenDVI()` or a `GlobalAveragePooling1DDVI` / "
+            "`GlobalAveragePooling2DDVI` layer between the conv or pooling layers and the dense ones."
+        )
     if len(shape) == 2:
         return DETERMINISTIC, _static_dim(shape, -1)
     if len(shape) == 3:
@@ -122,7 +192,8 @@ def unpack(outputs, covariance="auto"):
             `K = 1`); `"full"` always returns `(batch, K, K)`; `"diagonal"` always `(batch, K)`.
 
     Returns:
-        `(mean (batch, K), covariance (batch, K, K) or variance (batch, K))`.
+        `(mean (batch, K), covariance (batch, K, K) or variance (batch, K))`; for a feature map
+        `(batch, 3, *spatial, channels)`, the means and variances `(batch, *spatial, channels)`.
 
     Example:
 
@@ -136,6 +207,14 @@ def unpack(outputs, covariance="auto"):
         )
     if not isinstance(outputs, (list, tuple)):
         outputs = ops.convert_to_tensor(outputs)
+        if len(outputs.shape) >= 4 and outputs.shape[1] in (2, MAP_ROWS):  # a feature map
+            mean, variance = outputs[:, 0], outputs[:, 1]
+            if covariance == "full":
+                raise ValueError(
+                    "Argument `covariance='full'` does not apply to a feature map (per-position "
+                    "means and variances); use 'auto' or 'diagonal'."
+                )
+            return mean, variance
     mean, second, kind = split(outputs, name="outputs")
     if kind == DETERMINISTIC:
         second = ops.zeros_like(mean)

@@ -51,9 +51,14 @@ def _largest_kernel(model):
     sizes = [
         math.prod(v.shape)
         for v in getattr(model, "weights", [])
-        if len(v.shape) == 2
+        if len(v.shape) >= 2
     ]
     return max(sizes, default=1)
+
+
+#: Channels assumed per input value when sizing chunks for image inputs (feature maps grow
+#: with the channels of the conv layers).
+_MAP_GROWTH = 64
 
 
 def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
@@ -67,14 +72,16 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     Args:
         model: a keras-dvi layer or a `keras.Model` whose layers are keras-dvi layers
             (deterministic preprocessing layers before the first keras-dvi layer are fine).
-        x: deterministic inputs, array or tensor of shape `(batch, features)`.
+        x: deterministic inputs, array or tensor of shape `(batch, features)` (a conv network's:
+            `(batch, *spatial, channels)`).
         num_samples: number of weight draws (positive integer).
         seed: integer seed for reproducibility, or `None`.
         chunk_size: weight draws per forward pass; default keeps each sampled kernel under
             about 25 million numbers.
 
     Returns:
-        NumPy array of shape `(batch, num_samples, units)`: the output pre-activations or
+        NumPy array of shape `(batch, num_samples, units)` (a feature map's:
+        `(batch, num_samples, *spatial, channels)`): the output pre-activations or
         activations of the last layer, as the deterministic layers describe them.
 
     Example:
@@ -87,14 +94,18 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
             f"Argument `num_samples` must be a positive integer; received {num_samples!r}."
         )
     x = ops.convert_to_tensor(x)
-    if len(x.shape) != 2:
+    if len(x.shape) < 2:
         raise ValueError(
-            "Argument `x` must be deterministic inputs of shape (batch, features); received "
-            f"shape {tuple(x.shape)}. Sample Gaussian inputs yourself and pass them as rows."
+            "Argument `x` must be deterministic inputs of shape (batch, features) (conv networks: "
+            f"(batch, *spatial, channels)); received shape {tuple(x.shape)}. Sample Gaussian inputs "
+            "yourself and pass them as rows."
         )
     validation.check_finite(x, "x")
     if chunk_size is None:
-        chunk_size = max(1, int(2.5e7 // _largest_kernel(model)))
+        per_sample = _largest_kernel(model)
+        if len(x.shape) > 2:  # feature maps: the activations dominate
+            per_sample = max(per_sample, math.prod(x.shape) * _MAP_GROWTH)
+        chunk_size = max(1, int(2.5e7 // per_sample))
     elif int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(
             f"Argument `chunk_size` must be a positive integer or None; received {chunk_size!r}."
@@ -105,7 +116,7 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     while remaining > 0:
         size = min(int(chunk_size), remaining)
         out = ops.convert_to_numpy(_sampled_call(model, x, SamplingContext(size, generator)))
-        if out.ndim != 3 or out.shape[0] != size:
+        if out.ndim < 3 or out.shape[0] != size:
             raise ValueError(
                 "Monte Carlo over the weights needs a model built from keras-dvi layers: its output had "
                 f"shape {out.shape}, expected (samples, batch, units)."

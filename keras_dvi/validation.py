@@ -61,9 +61,10 @@ def check_moments(mean, second, kind, name="inputs", validate=False, where=None)
     if second is None:
         return mean, second
     second = check_finite(second, name, validate)
+    full = kind == "full"
     value = _concrete(second)
     if value is not None:
-        variances = np.diagonal(value, axis1=-2, axis2=-1) if value.ndim == 3 else value
+        variances = np.diagonal(value, axis1=-2, axis2=-1) if full else value
         if (variances < 0).any():
             _fail(
                 f"Argument `{name}` has negative variances (min {variances.min():.3g}); "
@@ -71,7 +72,7 @@ def check_moments(mean, second, kind, name="inputs", validate=False, where=None)
                 "layer (Dense, BatchNormalization, Dropout, Flatten, ...) sits between keras-dvi "
                 "layers or after the last one and mixed its mean and covariance rows as numbers."
             )
-        if value.ndim == 3:
+        if full:
             scale = max(float(np.abs(value).max()), 1e-30)
             asym = float(np.abs(value - np.swapaxes(value, -1, -2)).max())
             if asym > 1e-5 * scale:
@@ -80,7 +81,7 @@ def check_moments(mean, second, kind, name="inputs", validate=False, where=None)
                     f"|C - C^T| is {asym:.3g} (relative {asym / scale:.3g})."
                 )
         return mean, second
-    variances = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
+    variances = ops.diagonal(second, axis1=-2, axis2=-1) if full else second
     return check_packed_variances(mean, variances, where or f"Argument `{name}`"), second
 
 

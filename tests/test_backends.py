@@ -51,6 +51,11 @@ def test_suite_runs_on_the_jax_backend():
         "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
         # the objective: KL schedule and weight, logs, every kind of model
         "tests/test_training.py",
+        # conv layers: first layer exact against Monte Carlo, the MCVI kernels, fit / logs /
+        # warm-up / safe-mode round trip
+        "tests/test_conv.py::test_first_conv_layer_moments_are_exact[relu-2-kwargs1]",
+        "tests/test_conv.py::test_mcvi_conv_samples_match_the_closed_form",
+        "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     tail = result.stdout[-6000:] + result.stderr[-2000:]

@@ -72,7 +72,8 @@ def test_trains_saves_and_predicts_samples(tmp_path):
     ])
     model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledHeteroscedasticELL())
     history = model.fit(x, y, epochs=60, batch_size=32, verbose=0).history
-    assert np.isfinite(history["loss"]).all() and history["loss"][-1] < history["loss"][0]
+    # The KL weight rises over the run (auto warm-up), so the fit term shows the learning.
+    assert np.isfinite(history["loss"]).all() and history["nll"][-1] < history["nll"][0] - 0.5
     samples = kd.predict_samples(model, x, 50)
     assert samples.shape == (128, 50, 2)
     assert float(np.mean(predictive.sampled_log_predictive_density(samples, y))) > 0.0  # noise sd 0.1

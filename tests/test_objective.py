@@ -282,7 +282,8 @@ def test_tf_data_callbacks_and_diagonal_bodies():
     model.compile(keras.optimizers.Adam(1e-2), loss=HeteroscedasticELL())
     stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=100)
     history = model.fit(dataset, epochs=5, verbose=0, callbacks=[stopper]).history
-    assert len(history["loss"]) == 5 and history["loss"][-1] < history["loss"][0]
+    # (the KL weight rises over the run, auto warm-up: the fit term shows the learning)
+    assert len(history["loss"]) == 5 and history["nll"][-1] < history["nll"][0]
     assert set(model.evaluate(dataset, verbose=0, return_dict=True)) == {"loss", "nll", "kl"}
 
 

@@ -111,7 +111,8 @@ def test_mixed_precision_computes_moments_in_float32_and_trains(policy):
         assert keras.backend.standardize_dtype(out.dtype) == "float32"
         model.compile(keras.optimizers.Adam(1e-2), loss=HeteroscedasticELL())
         history = model.fit(x, y, epochs=5, batch_size=16, verbose=0).history
-        assert np.isfinite(history["loss"]).all() and history["loss"][-1] < history["loss"][0]
+        # The KL weight rises over the run (auto warm-up): the fit term shows the learning.
+        assert np.isfinite(history["loss"]).all() and history["nll"][-1] < history["nll"][0]
         # Same numbers as a float32 model with the same weights.
         keras.config.set_dtype_policy("float32")
         clone = keras.Sequential.from_config(model.get_config())

@@ -1,14 +1,29 @@
 """Keras layers of keras-dvi."""
 
 from keras_dvi.layers.base import BayesianLayer
+from keras_dvi.layers.conv_dvi import Conv1DDVI, Conv2DDVI
+from keras_dvi.layers.conv_mcvi import Conv1DMCVI, Conv2DMCVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.dense_dvi import DenseDVI
 from keras_dvi.layers.dense_mcvi import DenseMCVI
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
+from keras_dvi.layers.pooling_dvi import (
+    AddDVI,
+    AveragePooling1DDVI,
+    AveragePooling2DDVI,
+    FlattenDVI,
+    GlobalAveragePooling1DDVI,
+    GlobalAveragePooling2DDVI,
+    MaxPooling1DDVI,
+    MaxPooling2DDVI,
+)
 from keras_dvi.layers.sampled_noise import SampledHomoscedasticNoise
 from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
 from keras_dvi.layers.target_scaling import TargetScaling
 
 __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "HomoscedasticNoise",
-           "GlobalInducingDense", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling"]
+           "GlobalInducingDense", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
+           "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
+           "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
+           "FlattenDVI", "AddDVI"]

@@ -86,19 +86,21 @@ class BayesianLayer(ELBOReportingLayer):
             bias = kernel / 10.0
         return float(kernel), float(bias)
 
-    def _build_posterior(self, fan_in, units, is_head):
+    def _build_posterior(self, fan_in, units, is_head, kernel_shape=None):
         """Creates the posterior variables and the objective's state (`kl_step`; the network's
-        tracker when `is_head`, i.e. the input is deterministic data)."""
+        tracker when `is_head`, i.e. the input is deterministic data). The kernel has shape
+        `kernel_shape` (default `(fan_in, units)`; a conv kernel `(*kernel_size, in, units)`)."""
         kernel_var, bias_var = self._initial_variances(fan_in)
+        kernel_shape = (fan_in, units) if kernel_shape is None else tuple(kernel_shape)
         self._kernel_mean = self.add_weight(
             name="kernel_mean",
-            shape=(fan_in, units),
+            shape=kernel_shape,
             initializer=self.kernel_mean_initializer,
             autocast=False,  # read in float32 under mixed precision (see `moment_dtype`)
         )
         self._kernel_log_std = self.add_weight(
             name="kernel_log_std",
-            shape=(fan_in, units),
+            shape=kernel_shape,
             initializer=keras.initializers.Constant(0.5 * math.log(kernel_var)),
             autocast=False,
         )
@@ -123,12 +125,12 @@ class BayesianLayer(ELBOReportingLayer):
 
     @property
     def kernel_mean(self):
-        """Posterior means of the kernel, `(in, units)`."""
+        """Posterior means of the kernel, `(in, units)` (conv layers: `(*kernel_size, in, filters)`)."""
         return ops.convert_to_tensor(self._kernel_mean)
 
     @property
     def kernel_variance(self):
-        """Posterior variances of the kernel, `(in, units)`, always >= 0."""
+        """Posterior variances of the kernel, shaped as `kernel_mean`, always >= 0."""
         return ops.exp(2.0 * ops.convert_to_tensor(self._kernel_log_std))
 
     @property
@@ -166,8 +168,9 @@ class BayesianLayer(ELBOReportingLayer):
         """Sets the posterior moments (the layer must be built).
 
         Args:
-            kernel_mean: array of shape `(in, units)`.
-            kernel_variance: positive array broadcastable to `(in, units)`.
+            kernel_mean: array of the kernel's shape (`(in, units)`; conv layers
+                `(*kernel_size, in, filters)`).
+            kernel_variance: positive array broadcastable to the kernel's shape.
             bias_mean: array broadcastable to `(units,)`, or `None` to leave it unchanged.
             bias_variance: positive array broadcastable to `(units,)`, or `None` to leave it.
         """
@@ -247,7 +250,10 @@ class BayesianLayer(ELBOReportingLayer):
         context = sampling.current_context()
         if context is not None:
             return self._sample(inputs, context)
-        training = self._training(training)
+        return self._propagate(inputs, self._training(training))
+
+    def _propagate(self, inputs, training):
+        """The moment-propagating forward pass of the dense forms (conv layers override it)."""
         mean, second, kind = packing.split(inputs)
         mean = ops.cast(mean, self.moment_dtype)
         second = None if second is None else ops.cast(second, self.moment_dtype)
@@ -399,3 +405,54 @@ class DenseBase(BayesianLayer):
 def apply_activation(x, activation):
     """Deterministic activation (used in sampling mode)."""
     return moments.get_activation(activation).apply(x)
+
+
+class SampledPosterior:
+    """Mixin of the Monte Carlo baselines (`DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`; listed
+    before their `BayesianLayer` base): every call draws `num_samples` weight sets from the
+    posterior (first layer; later layers follow its sample axis), shared by every example of
+    the batch, and returns samples `(batch, samples, ...)`. Subclasses implement
+    `_sampled_forward(h, context)` on sample-major inputs `(samples, batch, ...)` and set
+    `data_rank`, the rank of their data inputs (`(batch, ...)`).
+
+    Args:
+        num_samples: weight draws per call (first layer).
+        seed: integer seed of the draws (`None`: from Keras' global seed).
+    """
+
+    data_rank = 2
+
+    def __init__(self, *args, num_samples=10, seed=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
+            raise ValueError(f"Argument `num_samples` must be a positive integer; received {num_samples!r}.")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+
+    def takes_packed(self, shape):
+        return False  # weight samples: plain layers may act on them per sample (`KerasDVILayer`)
+
+    def _output_samples(self, input_shape):
+        return self.num_samples if len(input_shape) == self.data_rank else input_shape[1]
+
+    def call(self, inputs, training=None):
+        training = self._training(training)
+        inputs = ops.cast(inputs, self.moment_dtype)
+        data = None
+        if len(inputs.shape) == self.data_rank:
+            data = inputs = validation.check_finite(inputs, "inputs", self.validate)
+            h = ops.broadcast_to(inputs[None], (self.num_samples,) + tuple(ops.shape(inputs)))
+        else:
+            h = ops.moveaxis(inputs, 1, 0)  # (samples, batch, ...)
+        self._report_kl(training, data)
+        out = self._sampled_forward(h, sampling.SamplingContext(h.shape[0], self.seed_generator))
+        return ops.moveaxis(out, 0, 1)
+
+    def _sampled_forward(self, h, context):
+        raise NotImplementedError
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"num_samples": self.num_samples, "seed": self.seed})
+        return config

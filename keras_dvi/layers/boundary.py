@@ -1,14 +1,15 @@
 """`KerasDVILayer`: the base of every keras-dvi layer, which guards the model boundary.
 
-keras-dvi layers pass each other packed moments `(batch, 2 or K + 1, K)` or weight samples
-`(batch, samples, K)`: 3-D tensors that only keras-dvi layers can read. A plain Keras layer
+keras-dvi layers pass each other packed moments `(batch, 2 or K + 1, K)` (feature maps:
+`(batch, 3, *spatial, channels)`) or weight samples `(batch, samples, K)`: tensors that only
+keras-dvi layers can read. A plain Keras layer
 placed between them (`Dropout`, `BatchNormalization`, `Dense`, `Activation`, ...) would treat
 the mean and (co)variance rows, or the samples, as numbers and silently break the model.
 
 When a functional or `Sequential` model is built, Keras asks each layer for its output's
 spec; a keras-dvi layer then stamps its symbolic output with itself (`producer_of` reads the
-stamp; no private Keras attribute is read), and warns, naming the fix, when a 3-D symbolic
-input reaches it that no keras-dvi layer produced. Plain layers before the first keras-dvi
+stamp; no private Keras attribute is read), and warns, naming the fix, when a packed symbolic
+input (`KerasDVILayer.takes_packed`) reaches it that no keras-dvi layer produced. Plain layers before the first keras-dvi
 layer (whose 2-D output is data) stay welcome. It is a warning, not an error, because one
 legitimate case looks the same: the output of a nested keras-dvi model (a `Model` used as a
 layer), whose output Keras rebuilds without the stamp. Plain layers that mix rows
@@ -36,6 +37,14 @@ def producer_of(tensor):
 class KerasDVILayer(keras.layers.Layer):
     """A Keras layer that reads and writes keras-dvi tensors (see the module docstring)."""
 
+    def takes_packed(self, shape):
+        """Whether an input of `shape` is a keras-dvi tensor (packed moments or weight samples)
+        rather than data: 3-D for the dense layers; conv and pooling layers say for their
+        feature maps; `False` for layers whose inputs are weight samples (`DenseMCVI`,
+        `Conv*MCVI`: samples are ordinary numbers, and plain layers may act on them per
+        sample, e.g. `keras.layers.TimeDistributed(keras.layers.MaxPooling2D())`)."""
+        return len(shape) == 3
+
     def __call__(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
         if not getattr(self, "_in_symbolic_graph", False):  # checked at build otherwise
@@ -47,9 +56,13 @@ class KerasDVILayer(keras.layers.Layer):
     def compute_output_spec(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
         self._in_symbolic_graph = True
-        if keras.utils.is_keras_tensor(inputs) and len(inputs.shape) == 3 and producer_of(inputs) is None:
+        tensors = [t for t in keras.tree.flatten(inputs) if keras.utils.is_keras_tensor(t)]
+        packed = bool(tensors) and all(self.takes_packed(t.shape) for t in tensors)  # not a (mean, covariance) pair
+        unstamped = [t for t in tensors if producer_of(t) is None] if packed else []
+        if unstamped:
+            inputs = unstamped[0]
             warnings.warn(
-                f"Layer {type(self).__name__} {self.name!r} receives a 3-D input of shape "
+                f"Layer {type(self).__name__} {self.name!r} receives a {len(inputs.shape)}-D input of shape "
                 f"{tuple(inputs.shape)} that no keras-dvi layer produced. Between keras-dvi "
                 "layers the tensors hold packed means and (co)variances (or weight samples), "
                 "which plain Keras layers (Dropout, BatchNormalization, Dense, Activation, "

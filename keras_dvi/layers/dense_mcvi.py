@@ -3,12 +3,11 @@
 import keras
 from keras import ops
 
-from keras_dvi import sampling, validation
-from keras_dvi.layers.base import DenseBase, apply_activation
+from keras_dvi.layers.base import DenseBase, SampledPosterior, apply_activation
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class DenseMCVI(DenseBase):
+class DenseMCVI(SampledPosterior, DenseBase):
     """Dense layer with a factorised Gaussian posterior, trained by sampling (MCVI).
 
     The baseline of Wu et al. (ICLR 2019, Section 5): the same posterior parameterisation,
@@ -50,13 +49,8 @@ class DenseMCVI(DenseBase):
     """
 
     def __init__(self, units, activation=None, num_samples=10, local_reparameterization=False, seed=None, **kwargs):
-        super().__init__(units, activation=activation, **kwargs)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-            raise ValueError(f"Argument `num_samples` must be a positive integer; received {num_samples!r}.")
-        self.num_samples = num_samples
+        super().__init__(units, activation=activation, num_samples=num_samples, seed=seed, **kwargs)
         self.local_reparameterization = bool(local_reparameterization)
-        self.seed = seed
-        self.seed_generator = keras.random.SeedGenerator(seed)
 
     def build(self, input_shape):
         if len(input_shape) not in (2, 3):
@@ -67,28 +61,12 @@ class DenseMCVI(DenseBase):
         self._build_posterior(int(input_shape[-1]), self.units, is_head=len(input_shape) == 2)
 
     def compute_output_shape(self, input_shape):
-        samples = self.num_samples if len(input_shape) == 2 else input_shape[1]
-        return (input_shape[0], samples, self.units)
+        return (input_shape[0], self._output_samples(input_shape), self.units)
 
-    def call(self, inputs, training=None):
-        training = self._training(training)
-        dtype = self.moment_dtype
-        inputs = ops.cast(inputs, dtype)
-        self._check_features(int(inputs.shape[-1]))
-        data = None
-        if len(inputs.shape) == 2:
-            data = inputs = validation.check_finite(inputs, "inputs", self.validate)
-            samples = self.num_samples
-            h = ops.broadcast_to(inputs[None], (samples,) + tuple(ops.shape(inputs)))
-        else:
-            samples = inputs.shape[1]
-            h = ops.transpose(inputs, (1, 0, 2))  # (samples, batch, in)
-        self._report_kl(training, data)
-        if self.local_reparameterization:
-            out = self._local_affine(h)
-        else:
-            out = self._sample_affine(h, sampling.SamplingContext(samples, self.seed_generator))
-        return ops.transpose(apply_activation(out, self.activation), (1, 0, 2))
+    def _sampled_forward(self, h, context):
+        self._check_features(int(h.shape[-1]))
+        out = self._local_affine(h) if self.local_reparameterization else self._sample_affine(h, context)
+        return apply_activation(out, self.activation)
 
     def _local_affine(self, h):
         """Pre-activations drawn from `N(h M + m_b, h^2 V + v_b)` per example and sample."""
@@ -102,11 +80,5 @@ class DenseMCVI(DenseBase):
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "num_samples": self.num_samples,
-                "local_reparameterization": self.local_reparameterization,
-                "seed": self.seed,
-            }
-        )
+        config["local_reparameterization"] = self.local_reparameterization
         return config

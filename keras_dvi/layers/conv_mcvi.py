@@ -1,0 +1,81 @@
+"""`Conv1DMCVI`, `Conv2DMCVI`: the Monte Carlo baselines of the Bayesian convolutions."""
+
+import keras
+
+from keras_dvi.layers.base import SampledPosterior, apply_activation
+from keras_dvi.layers.conv_dvi import ConvBase
+
+
+class ConvMCVI(SampledPosterior, ConvBase):
+    """Base class of `Conv1DMCVI` / `Conv2DMCVI` (see `Conv2DMCVI`)."""
+
+    @property
+    def data_rank(self):
+        return self.rank + 2
+
+    def build(self, input_shape):
+        if len(input_shape) not in (self.rank + 2, self.rank + 3):
+            raise ValueError(
+                f"{type(self).__name__} expects data (batch, *spatial, channels) or samples (batch, "
+                f"samples, *spatial, channels) from another MCVI layer; received shape {input_shape}."
+            )
+        self._build_kernel(input_shape[-1], is_head=len(input_shape) == self.rank + 2)
+
+    def compute_output_shape(self, input_shape):
+        spatial = input_shape[1:-1] if len(input_shape) == self.rank + 2 else input_shape[2:-1]
+        return (input_shape[0], self._output_samples(input_shape)) + self._output_spatial(spatial) + (self.filters,)
+
+    def _sampled_forward(self, h, context):
+        self._check_channels(h.shape[-1])
+        return apply_activation(self._sample_conv(h, context), self.activation)
+
+
+_DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by sampling (MCVI).
+
+    The Monte Carlo baseline of `Conv{rank}DDVI`: the same posterior, initialisation, priors
+    and arguments, but every call draws `num_samples` kernels (each shared by every position
+    and example of the batch, as the network's weights are) and convolves with each, one
+    grouped convolution for all samples. Outputs carry a sample axis, as `DenseMCVI`'s, so the
+    sampled losses (`SampledSoftmaxELL`, `SampledHeteroscedasticELL`) apply after a `DenseMCVI`
+    head. Between sampled layers, act on each sample with Keras' own layers:
+    `keras.layers.TimeDistributed(keras.layers.MaxPooling{rank}D())`,
+    `keras.layers.TimeDistributed(keras.layers.Flatten())`.
+
+    Args:
+        filters, kernel_size, strides, padding, dilation_rate, activation: as `Conv{rank}DDVI`.
+        num_samples: kernel draws per call (first layer; later layers follow its sample axis).
+        seed: integer seed of the draws (`None`: from Keras' global seed).
+        **kwargs: the other arguments of `Conv{rank}DDVI` (`use_bias`, initializers,
+            `kernel_variance_init`, `bias_variance_init`, `regularizer`, `validate`, ...).
+
+    Input shape:
+        Data `(batch, {dims}, channels)` (first layer), or samples
+        `(batch, samples, {dims}, channels)` from another sampled layer.
+
+    Output shape:
+        `(batch, samples, {new_dims}, filters)`.
+
+    Example:
+
+    >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
+    >>> model = keras.Sequential([
+    ...     keras.Input({input_example}),
+    ...     keras_dvi.Conv{rank}DMCVI(32, 3, activation="relu", num_samples=10, regularizer=prior),
+    ...     keras.layers.TimeDistributed(keras.layers.MaxPooling{rank}D()),
+    ...     keras.layers.TimeDistributed(keras.layers.Flatten()),
+    ...     keras_dvi.DenseMCVI(10, regularizer=prior),
+    ... ])
+    >>> model.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SampledSoftmaxELL())
+    """
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Conv1DMCVI(ConvMCVI):
+    __doc__ = _DOC.format(rank=1, dims="steps", new_dims="new_steps", input_example="(128, 3)")
+    rank = 1
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Conv2DMCVI(ConvMCVI):
+    __doc__ = _DOC.format(rank=2, dims="rows, cols", new_dims="new_rows, new_cols", input_example="(28, 28, 1)")
+    rank = 2
