@@ -8,6 +8,8 @@
    {1, 10, 100, 300} weight samples. Times are medians over repeats of a compiled
    (`tf.function`) step; ratios are taken within the same run.
    A plain `keras.layers.Dense` ReLU layer is timed alongside as the baseline.
+   (`--cnn`: only the training steps of the MNIST benchmark's CNN as a plain, Flipout, DVI and
+   MCVI network, interleaved; `cnn_times`.)
 2. Training-step time (one `fit` epoch, as users train) of whole in-w-w-2 ReLU networks: DVI,
    DVI (a `DenseDiagDVI` first layer, exactly DVI after data, then `DenseDVI`), dDVI (diagonal
    throughout), MCVI (S = 10) against a plain `keras.layers.Dense` network of
@@ -111,8 +113,83 @@ def network_times(width, batch, in_dim, steps, kinds=None, jit=False):
     return times
 
 
+def cnn_times(rounds, steps, batch):
+    """Training-step times (`train_on_batch`, compiled) of the MNIST benchmark's CNN
+    (`benchmarks/images.py`: conv 32 - pool - conv 64 - pool - dense 128 - 10) as a plain
+    Keras CNN, keras-proba's Flipout CNN (when installed), keras-dvi's DVI CNN (ReLU on the
+    pooling layers, as advised, and on the conv layers) and the MCVI CNN (2 kernel draws), in
+    interleaved rounds: each round times `steps` steps of every network; the median over rounds
+    is reported, in seconds per step."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import images
+
+    import keras_dvi as kd
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, (batch, 28, 28, 1)).astype("float32")
+    y = rng.integers(0, 10, batch).astype("int32")
+    builders = {"plain CNN": lambda: images.plain_cnn(10)}
+    try:
+        import keras_proba  # noqa: F401
+
+        builders["Flipout CNN (keras-proba)"] = lambda: images.flipout_cnn(10, 60000, 0)
+    except ImportError:
+        print("keras-proba is not installed (pip install -e '.[benchmarks]'): no Flipout row")
+    builders["DVI CNN (ReLU on pooling)"] = lambda: images.keras_dvi_cnn("dvi", 10, 60000)
+
+    def post_form():
+        prior = kd.EmpiricalBayesRegularizer(60000)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), kd.Conv2DDVI(32, 3, activation="relu", regularizer=prior), kd.MaxPooling2DDVI(2),
+            kd.Conv2DDVI(64, 3, activation="relu", regularizer=prior), kd.MaxPooling2DDVI(2), kd.FlattenDVI(),
+            kd.DenseDiagDVI(128, "relu", regularizer=prior), kd.DenseDVI(10, regularizer=prior)])
+        model.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
+        return model
+
+    builders["DVI CNN (ReLU on conv)"] = post_form
+    builders["MCVI CNN (2 draws)"] = lambda: images.keras_dvi_cnn("mcvi", 10, 60000)
+    import warnings
+
+    models = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, build in builders.items():
+            models[name] = build()
+            for _ in range(3):  # trace and warm up
+                models[name].train_on_batch(x, y)
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                model.train_on_batch(x, y)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def cnn_main(args):
+    times = cnn_times(args.rounds, args.steps, args.cnn_batch)
+    base = times["plain CNN"]
+    threads = tf.config.threading.get_intra_op_parallelism_threads()
+    lines = [f"Training step of the MNIST benchmark's CNN (conv 32 - pool - conv 64 - pool - dense 128 - 10), "
+             f"batch {args.cnn_batch}, `train_on_batch`, median over {args.rounds} interleaved rounds of "
+             f"{args.steps} steps, {threads or 'default'} thread(s):", "",
+             "| network | ms / step | ratio to plain CNN |", "|---|---|---|"]
+    for name, t in times.items():
+        lines.append(f"| {name} | {1e3 * t:.1f} | {t / base:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"`python benchmarks/runtime.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cnn", action="store_true", help="only the CNN training steps (issue 25)")
+    parser.add_argument("--cnn-batch", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5, help="--cnn: interleaved rounds")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TensorFlow's default)")
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 10, 100, 300])
     parser.add_argument("--batch", type=int, default=10)
@@ -126,6 +203,11 @@ def main(argv=None):
     parser.add_argument("--cache", default=None, help="JSON file keeping the layer rows between runs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.cnn:
+        return cnn_main(args)
     cached = {}
     if args.cache and os.path.exists(args.cache):
         with open(args.cache) as f:
