@@ -18,8 +18,8 @@ all positions of a channel together. A per-position diagonal (`s = 0`) ignores t
 layer that sums positions (pooling, global pooling, a dense layer after flatten) then adds
 variances that are in truth strongly correlated. Measured on MNIST-sized inputs (a conv 3x3 -
 ReLU - max pool - conv 3x3 - ReLU - global average pool - dense network, posterior variances
-0.3 / fan-in), the plain diagonal put the output variance at 0.70 of Monte Carlo and the means
-0.13 predictive standard deviations off; with the shared component 1.01 and 0.05
+0.3 / fan-in), the plain diagonal put the output variance at 0.64 of Monte Carlo and the means
+0.37 predictive standard deviations off; with the shared component 0.94 and 0.03
 (BENCHMARKS.md, "Convolutional networks"). Different channels' factors are taken to be
 independent, and so are the factors a layer makes and the ones it receives (each layer
 re-expresses them as one factor per output channel, below).

@@ -279,7 +279,7 @@ def test_small_cnn_end_to_end_matches_monte_carlo(size, form, scale):
     """The issue's bound, on inputs up to 28x28 (the digits, zoomed): means within 0.1
     predictive sd and variances within a factor of 2 (medians over outputs and inputs), with
     posterior variances `scale / fan_in` (0.03: the layers' initial value; 0.3: ten times
-    that, the issue's sketch). A per-position diagonal measured 0.70 at 28x28 (module
+    that, the issue's sketch). A per-position diagonal measured 0.57 at 28x28 (module
     docstring of `keras_dvi.conv_moments`)."""
     keras.utils.set_random_seed(size)
     with warnings.catch_warnings():
