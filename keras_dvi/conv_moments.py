@@ -181,8 +181,10 @@ def gaussian_max(mean_1, var_1, mean_2, var_2, cov):
     alpha = ops.clip(d / theta, -moments.MU_MAX, moments.MU_MAX)
     p, f = moments.normal_cdf(alpha), moments.normal_pdf(alpha)
     q = 1.0 - p  # (one erfc fewer; its absolute error, 6e-8 in float32, is what the terms see)
-    mean = mean_1 * p + mean_2 * q + theta * f  # (not m2 + d p: exact when one side is padding)
-    var = var_1 * p + var_2 * q + ops.square(d) * p * q + d * theta * f * (q - p) - ops.square(theta * f)
+    spread = theta * f
+    mean = mean_1 * p + mean_2 * q + spread  # (not m2 + d p: exact when one side is padding)
+    # v1 p + v2 q + d^2 p q + d theta phi (q - p) - (theta phi)^2, in fewer operations
+    var = var_2 + (var_1 - var_2) * p + d * (d * p * q + spread * (q - p)) - ops.square(spread)
     return mean, ops.maximum(var, 0.0), p
 
 
