@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import keras_dvi as kd  # noqa: E402
 from keras_dvi import conv_moments  # noqa: E402
-from tests.test_conv import _benchmark_cnn, _compare, _images, _issue_cnn, _set_variances  # noqa: E402
+from tests.test_conv import (  # noqa: E402 - the networks the tests check
+    _benchmark_cnn, _compare, _images, _issue_cnn, _residual_cnn, _set_variances, _signal_cnn, _signals)
 
 
 @contextlib.contextmanager
@@ -45,36 +46,14 @@ def diagonal():
         conv_moments._clip_shared = original
 
 
-def residual_cnn():
-    inputs = keras.Input((12, 12, 1))
-    x = kd.Conv2DDVI(6, 3, padding="same", activation="relu")(inputs)
-    branch = kd.Conv2DDVI(6, 3, padding="same", activation="relu")(x)
-    branch = kd.Conv2DDVI(6, 3, padding="same")(branch)
-    x = kd.AddDVI(activation="relu")([x, branch])
-    x = kd.AveragePooling2DDVI(2)(x)
-    return keras.Model(inputs, kd.DenseDiagDVI(2)(kd.FlattenDVI()(x)))
-
-
-def signal_cnn():
-    return keras.Sequential([
-        keras.Input((32, 2)), kd.Conv1DDVI(8, 5), kd.MaxPooling1DDVI(2, activation="relu"),
-        kd.Conv1DDVI(8, 3, activation="relu", padding="same"), kd.GlobalAveragePooling1DDVI(), kd.DenseDVI(2),
-    ])
-
-
-def signals():
-    x = np.sin(np.linspace(0, 6, 32))[None, :, None] * np.random.default_rng(0).uniform(0.5, 2, (5, 1, 2))
-    return x.astype("float32")
-
-
 def cases():
     for size in (8, 16, 28):
         for form in ("post", "pre"):
             yield f"issue's CNN, {form}-pool ReLU, {size}x{size}", lambda s=size, f=form: _issue_cnn(s, f), \
                 lambda s=size: _images(s, rows=6), size, 4000
     yield "benchmark CNN (ReLU on pooling), 28x28", _benchmark_cnn, lambda: _images(28, rows=4), 3, 1500
-    yield "residual block (AddDVI), average pool, 12x12", residual_cnn, lambda: _images(12, rows=4), 12, 3000
-    yield "1D network, smooth signals of 32 steps", signal_cnn, signals, 32, 3000
+    yield "residual block (AddDVI), average pool, 12x12", _residual_cnn, lambda: _images(12, rows=4), 12, 3000
+    yield "1D network, smooth signals of 32 steps", _signal_cnn, _signals, 32, 3000
 
 
 def main(argv=None):
