@@ -247,14 +247,13 @@ def run_one(method, seed, args):
         model = predict.model
         record["kl_warmup_length"] = int(keras.ops.convert_to_numpy(model.layers[-1].kl_warmup_length))
         record["config"] = {"prior": model.layers[-1].regularizer.get_config()}
-    record["clean"] = scores(predict(x_test), y_test)
-    record["clean_probs_entropy_mean"] = None
+    clean_probs = predict(x_test)
+    record["clean"] = scores(clean_probs, y_test)
     for degrees in ROTATIONS[1:]:
         record[f"rotate_{degrees}"] = scores(predict(rotate(x_test, degrees)), y_test)
     record["rotate_0"] = record["clean"]
     for sd in NOISE_SDS:
         record[f"noise_{sd}"] = scores(predict(add_noise(x_test, sd, seed)), y_test)
-    clean_probs = predict(x_test)
     uniform = np.random.default_rng(seed).uniform(0.0, 1.0, x_test.shape).astype("float32")
     record["auroc_uniform"] = auroc(clean_probs, predict(uniform))
     if args.ood_digits:
@@ -263,7 +262,6 @@ def run_one(method, seed, args):
         probs = predict_04(x_test)
         record["auroc_digits_5_9"] = auroc(probs[y_test < 5], probs[y_test >= 5])
     record["peak_memory_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    del record["clean_probs_entropy_mean"]
     return record
 
 
