@@ -15,6 +15,12 @@ Protocol (fixed before any result was seen, the same for every method):
   samples at test time), `ensemble` (5 plain networks from different seeds, probabilities
   averaged), and keras-dvi with its defaults: `dvi` (`DenseDiagDVI` body, `DenseDVI` head),
   `ddvi` (diagonal throughout), `mcvi` (`DenseMCVI`, 10 samples per step, 100 at test time).
+  Convolutional networks (the check that the conv layers' defaults carry over to small images
+  and signals; the MNIST benchmark's shape, "same" padding): `cnn` / `cnn_dvi` read the digits as
+  8x8 images, `cnn1d` / `cnn1d_dvi` as 64-step signals (rows one after the other): conv 32 (3)
+  ReLU, max pool 2, conv 64 (3) ReLU, max pool 2, dense 128 ReLU, 10 outputs, as a plain Keras
+  network and as keras-dvi layers with their defaults (`Conv*DDVI`, `MaxPooling*DDVI(2,
+  activation="relu")`, `FlattenDVI`, `DenseDiagDVI`, `DenseDVI`).
   keras-dvi networks use `EmpiricalBayesRegularizer(num_train)` and `SoftmaxDeltaELL()` with
   their default arguments unless `--kl-weight`, `--kl-warmup-steps` or `--loss-method` say
   otherwise, and `keras_dvi.predictive.class_probabilities` with its default method unless
@@ -46,8 +52,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-METHODS = ("mlp", "dropout", "ensemble", "dvi", "ddvi", "mcvi")
-KERAS_DVI_METHODS = ("dvi", "ddvi", "mcvi")
+METHODS = ("mlp", "dropout", "ensemble", "dvi", "ddvi", "mcvi", "cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
+KERAS_DVI_METHODS = ("dvi", "ddvi", "mcvi", "cnn_dvi", "cnn1d_dvi")
+#: The convolutional networks (issue 25's "same defaults on other image or signal data"): the
+#: digits as 8x8 images (`cnn`, `cnn_dvi`) or as 64-step signals, the image read row by row
+#: (`cnn1d`, `cnn1d_dvi`); the MNIST benchmark's shape with "same" padding.
+CNN_METHODS = ("cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
 ROTATIONS = (15, 30, 45, 60)
 NOISE_SDS = (0.1, 0.2, 0.4)
 HIDDEN = (100, 100)
@@ -147,6 +157,8 @@ def keras_dvi_network(method, num_train, classes, args, features=64):
     def variance(layer):  # the initial posterior variance: the layers' default unless --variance-scale
         return {} if scale is None else {"kernel_variance_init": scale / fan_ins[layer]}
 
+    if method in CNN_METHODS:
+        return _cnn(method, classes, features, prior, args)
     layers = [keras.Input((features,))]
     if method == "mcvi":
         layers += [kd.DenseMCVI(w, "relu", regularizer=prior, **variance(i)) for i, w in enumerate(HIDDEN)]
@@ -159,6 +171,36 @@ def keras_dvi_network(method, num_train, classes, args, features=64):
         layers.append(head(classes, regularizer=prior, **variance(len(HIDDEN))))
         loss = kd.SoftmaxDeltaELL() if args.loss_method is None else kd.SoftmaxDeltaELL(method=args.loss_method)
     model = keras.Sequential(layers)
+    model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=loss)
+    return model
+
+
+def _cnn(method, classes, features, prior=None, args=None):
+    """The convolutional networks of `CNN_METHODS` on flat `(features,)` digits."""
+    import keras
+
+    import keras_dvi as kd
+
+    rank = 1 if method.startswith("cnn1d") else 2
+    side = int(round(math.sqrt(features)))
+    shape = (features, 1) if rank == 1 else (side, side, 1)
+    layers = [keras.Input((features,)), keras.layers.Reshape(shape)]
+    if prior is None:
+        conv, pool = (keras.layers.Conv1D, keras.layers.MaxPooling1D) if rank == 1 else (keras.layers.Conv2D,
+                                                                                         keras.layers.MaxPooling2D)
+        layers += [conv(32, 3, padding="same", activation="relu"), pool(2),
+                   conv(64, 3, padding="same", activation="relu"), pool(2), keras.layers.Flatten(),
+                   keras.layers.Dense(128, "relu"), keras.layers.Dense(classes)]
+        model = keras.Sequential(layers)
+        model.compile(keras.optimizers.Adam(LEARNING_RATE),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    conv, pool = (kd.Conv1DDVI, kd.MaxPooling1DDVI) if rank == 1 else (kd.Conv2DDVI, kd.MaxPooling2DDVI)
+    layers += [conv(32, 3, padding="same", regularizer=prior), pool(2, activation="relu"),
+               conv(64, 3, padding="same", regularizer=prior), pool(2, activation="relu"), kd.FlattenDVI(),
+               kd.DenseDiagDVI(128, "relu", regularizer=prior), kd.DenseDVI(classes, regularizer=prior)]
+    model = keras.Sequential(layers)
+    loss = kd.SoftmaxDeltaELL() if args.loss_method is None else kd.SoftmaxDeltaELL(method=args.loss_method)
     model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=loss)
     return model
 
@@ -186,12 +228,15 @@ def train(method, x, y, classes, seed, args):
 
     keras.utils.set_random_seed(seed)
     start = time.time()
-    if method in ("mlp", "dropout", "ensemble"):
+    if method in ("mlp", "dropout", "ensemble", "cnn", "cnn1d"):
         members = ENSEMBLE_SIZE if method == "ensemble" else 1
         models = []
         for member in range(members):
             keras.utils.set_random_seed(seed + 1000 * member)
-            model = plain_network(classes, DROPOUT_RATE if method == "dropout" else 0.0, x.shape[1])
+            if method.startswith("cnn"):
+                model = _cnn(method, classes, x.shape[1])
+            else:
+                model = plain_network(classes, DROPOUT_RATE if method == "dropout" else 0.0, x.shape[1])
             model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0)
             models.append(model)
         seconds = time.time() - start
@@ -244,8 +289,9 @@ def run_one(method, split, args):
         model = predict.model
         logs = model.evaluate(x, y, verbose=0, return_dict=True)
         record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
-        record["config"] = {"prior": model.layers[0].regularizer.get_config(), "loss": model.loss.get_config(),
-                            "kl_warmup_length": int(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length))}
+        first = next(layer for layer in model.layers if getattr(layer, "regularizer", None) is not None)
+        record["config"] = {"prior": first.regularizer.get_config(), "loss": model.loss.get_config(),
+                            "kl_warmup_length": int(keras.ops.convert_to_numpy(first.kl_warmup_length))}
     # Tabular data: clean scores only (no images to rotate, no 0-4 split).
     sets = _eval_sets(x_eval, split) if digits else {"clean": x_eval}
     by_set = {name: predict.all(inputs) for name, inputs in sets.items()}

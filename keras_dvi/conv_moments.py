@@ -223,9 +223,11 @@ def _tiled_taps(tensors, pool_size, outs):
     strided slice per offset)."""
     rank = len(pool_size)
     taps = []
+    covered = tuple(o * k for o, k in zip(outs, pool_size))
     for t in tensors:
-        crop = (slice(None),) + tuple(slice(0, o * k) for o, k in zip(outs, pool_size)) + (slice(None),)
-        t = t[crop]
+        if covered != tuple(t.shape[1:-1]):  # the rows and columns no window reaches: a `slice`, whose
+            # gradient is one pad (a strided slice's took 50 ms of a 220 ms CNN step)
+            t = ops.slice(t, (0,) * (rank + 2), (ops.shape(t)[0],) + covered + (t.shape[-1],))
         split = (-1,) + tuple(v for o, k in zip(outs, pool_size) for v in (o, k)) + (t.shape[-1],)
         t = ops.reshape(t, split)  # (batch, o1, k1, o2, k2, ..., channels)
         window_axes = tuple(2 + 2 * i for i in range(rank))
