@@ -17,6 +17,8 @@ Public API:
   warm-up is over; the deprecated `KLWarmup` callback;
 * `predict(model, x)`: predictions as NumPy arrays (mean, std, epistemic and aleatoric parts,
   intervals; or class probabilities and entropy);
+* `TAGIModel(network, observation_noise=..., classes=None)`: trains a network of `DenseDiagDVI`
+  layers without gradients, by TAGI's closed-form updates (module `tagi`: the maths);
 * `TargetScaling`: a regression head in the targets' own units;
 * `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
 * `predict_samples(model, x, num_samples, seed=None)`: output samples `(batch, samples, units)` of
@@ -70,6 +72,7 @@ _EXPORTS = {
     "AfterKLWarmup": "keras_dvi.callbacks",
     "unpack": "keras_dvi.packing",
     "predict": "keras_dvi.prediction",
+    "TAGIModel": "keras_dvi.tagi_model",
     "sample_outputs": "keras_dvi.sampling",
     "datasets": None,
     "metrics": None,
@@ -78,6 +81,7 @@ _EXPORTS = {
     "inducing": None,
     "predictive": None,
     "priors": None,
+    "tagi": None,
 }
 
 

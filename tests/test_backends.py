@@ -56,6 +56,8 @@ def test_suite_runs_on_the_jax_backend():
         "tests/test_conv.py::test_first_conv_layer_moments_are_exact[relu-2-kwargs1]",
         "tests/test_conv.py::test_mcvi_conv_samples_match_the_closed_form",
         "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
+        # TAGI: exactness, the paper's equations, the toy, fit / save / load (stateless steps)
+        "tests/test_tagi.py",
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     tail = result.stdout[-6000:] + result.stderr[-2000:]

@@ -1,0 +1,328 @@
+"""`TAGIModel`: trains a keras-dvi network with TAGI's closed-form updates (no optimizer, no
+gradients) inside Keras' `fit`; the maths is in `keras_dvi.tagi`."""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_dvi import packing, predictive, tagi
+from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
+from keras_dvi.network import layers_of
+
+REGRESSION, CLASSIFICATION = "regression", "classification"
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class TAGIModel(keras.Model):
+    """Trains a network of `DenseDiagDVI` layers by tractable approximate Gaussian inference.
+
+    TAGI (Goulet, Nguyen and Amiri, JMLR 2021) learns without gradients: every batch is
+    propagated through the current posterior (eq. 10), the observed outputs are conditioned on
+    the targets (eq. 14), and the deltas go back down layer by layer in closed form (RTS
+    smoother, eqs. 15-16), updating each weight's posterior mean and variance once per batch
+    (`keras_dvi.tagi`). `fit`, `evaluate`, `predict`, callbacks, `tf.data` and `.keras` files
+    work as for any Keras model; `compile()` takes no optimizer or loss.
+
+    The network is wrapped, not changed: the same layers can be trained by DVI (gradients on
+    the ELBO) instead. Its leading layers without weights (`Flatten`, `Reshape`, ...) are
+    applied to the data as they are; then come `DenseDiagDVI` layers (activation `"relu"`,
+    `"leaky_relu"` or `None`), the last one linear.
+
+    Regression: the last layer has one unit per target and the targets are observed with
+    homoscedastic noise of standard deviation `observation_noise` (the paper's `sigma_V`).
+    Classification (`classes=K`): the last layer has one unit per node of Appendix C's binary
+    tree (`keras_dvi.tagi.tree(K)[0]`: 11 for 10 classes); targets are integer labels.
+
+    Args:
+        network: a built Keras model (`Sequential` or functional, a chain of layers) as above.
+        observation_noise: `sigma_V` (> 0): the observation noise's standard deviation.
+        classes: `None` (regression) or the number of classes (>= 2).
+        forward: `"linearized"` (default, the paper: activations linearised at the mean) or
+            `"moments"` (keras-dvi's exact Gaussian moments of the activations, with the slope
+            `E[f'(z)]` from Stein's lemma).
+        initialize: whether to set the layers' posteriors to the paper's prior: weight
+            variances by Xavier's rule `2 / (fan_in + fan_out)`, bias variances 0.01, means
+            drawn from the prior (`seed`). `False` keeps the layers' current posteriors.
+        seed: integer seed of the initial means.
+        **kwargs: base `keras.Model` arguments (`name`).
+
+    Outputs:
+        `model(x)` / `model.predict(x)`: the packed output moments `(batch, 2, units)` of TAGI's
+        forward pass (means, variances; without the observation noise).
+        `keras_dvi.predict(model, x)` gives the predictive distribution: regression `mean`,
+        `std`, `variance`, `epistemic`, `aleatoric` (`observation_noise^2`), `lower`, `upper`;
+        classification `probabilities` (eq. 24, `alpha = 1/3`), `label`, `entropy`.
+
+    Logs: `nll`, the mean negative log predictive density of the batch's targets under the
+    posterior before the batch's update (and `accuracy` for classification).
+
+    Example:
+
+    >>> network = keras.Sequential([
+    ...     keras.Input((13,)),
+    ...     keras_dvi.DenseDiagDVI(50, activation="relu"),
+    ...     keras_dvi.DenseDiagDVI(1),
+    ... ])
+    >>> model = keras_dvi.TAGIModel(network, observation_noise=0.3)
+    >>> model.compile()
+    >>> model.fit(x_train, y_train, batch_size=10, epochs=40)
+    """
+
+    def __init__(self, network, observation_noise=1.0, classes=None, forward="linearized", initialize=True,
+                 seed=None, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(network, dict):
+            network = keras.saving.deserialize_keras_object(network)
+        if not isinstance(network, keras.Model):
+            raise ValueError(
+                f"Argument `network` must be a built Keras model (Sequential or functional) of "
+                f"keras_dvi.DenseDiagDVI layers; received {type(network).__name__}."
+            )
+        self.network = network
+        noise = float(observation_noise)
+        if not (noise > 0.0 and math.isfinite(noise)):
+            raise ValueError(f"Argument `observation_noise` must be positive and finite; received {observation_noise!r}.")
+        self.observation_noise = noise
+        self.forward = tagi.canonical_forward(forward)
+        self.classes = classes
+        self.task = REGRESSION if classes is None else CLASSIFICATION
+        self._preprocessing, self._tagi_layers = _split_chain(network)
+        units = self._tagi_layers[-1].units
+        if self.task == CLASSIFICATION:
+            tree_units, paths = tagi.tree(classes)
+            if units != tree_units:
+                raise ValueError(
+                    f"With classes={classes}, the last DenseDiagDVI layer must have {tree_units} units "
+                    f"(one per node of the classification tree, keras_dvi.tagi.tree({classes})); it has {units}."
+                )
+            self._paths = paths
+        self.seed = seed
+        if initialize:
+            self._initialize(seed)
+        self.nll_tracker = keras.metrics.Mean(name="nll")
+        self.accuracy_tracker = keras.metrics.Mean(name="accuracy") if self.task == CLASSIFICATION else None
+
+    # ---------------------------------------------------------------- set-up
+
+    def _initialize(self, seed):
+        rng = np.random.default_rng(seed)
+        for layer in self._tagi_layers:
+            fan_in, fan_out = (int(n) for n in layer.kernel_mean.shape)
+            var_w = 2.0 / (fan_in + fan_out)
+            mean_w = rng.normal(0.0, math.sqrt(var_w), (fan_in, fan_out))
+            bias = {}
+            if layer.use_bias:
+                bias = {"bias_mean": rng.normal(0.0, 0.1, (fan_out,)), "bias_variance": 0.01}
+            layer.set_posterior(mean_w, var_w, **bias)
+
+    @property
+    def metrics(self):
+        return [m for m in (self.nll_tracker, self.accuracy_tracker) if m is not None]
+
+    def compile(self, optimizer=None, **kwargs):
+        """Like `keras.Model.compile`, without an optimizer or a loss (TAGI uses neither; a
+        zero-rate SGD holds Keras' step counter). `metrics`, `loss` and `optimizer` are
+        refused."""
+        for name in ("loss", "metrics"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"TAGIModel.compile takes no `{name}`: TAGI's updates are closed form; "
+                                 "its logs are `nll` (and `accuracy` for classification).")
+        if optimizer is not None:
+            raise ValueError("TAGIModel.compile takes no `optimizer`: TAGI updates the posteriors in closed form.")
+        super().compile(optimizer=keras.optimizers.SGD(learning_rate=0.0), **kwargs)
+
+    def get_compile_config(self):
+        return {"jit_compile": self.jit_compile} if getattr(self, "compiled", False) else None
+
+    def compile_from_config(self, config):
+        self.compile(**(config or {}))
+
+    def _variable_indices(self):
+        """Per TAGI layer, the positions of its variables in `self.trainable_variables` (the
+        order of the JAX training state)."""
+        variables = self.trainable_variables
+
+        def index(variable):
+            if variable is None:
+                return None
+            return next(i for i, v in enumerate(variables) if v is variable)
+
+        return [tuple(index(v) for v in (layer._kernel_mean, layer._kernel_log_std, layer._bias_mean,
+                                          layer._bias_log_std)) for layer in self._tagi_layers]
+
+    # ---------------------------------------------------------------- the maths on values
+
+    def _params(self, values, indices):
+        dtype = self._tagi_layers[0].moment_dtype
+        params = []
+        for idx in indices:
+            get = lambda i: None if i is None else ops.cast(values[i], dtype)  # noqa: E731
+            km, kls, bm, bls = (get(i) for i in idx)
+            params.append((km, ops.exp(2.0 * kls), bm, None if bls is None else ops.exp(2.0 * bls)))
+        return params
+
+    def _inputs(self, x):
+        for layer in self._preprocessing:
+            x = layer(x)
+        return ops.cast(x, self._tagi_layers[0].moment_dtype)
+
+    def _forward(self, params, x):
+        activations = [layer.activation for layer in self._tagi_layers]
+        return tagi.forward(self._inputs(x), params, activations, self.forward)
+
+    def _scores(self, mz, sz, y):
+        """Per-example negative log predictive density (and correctness) of the targets."""
+        if self.task == CLASSIFICATION:
+            probs = tagi.class_probabilities(mz, sz, self._paths)
+            labels = ops.cast(ops.reshape(y, (-1,)), "int32")
+            true = ops.take_along_axis(probs, labels[:, None], axis=1)[:, 0]
+            nll = -ops.log(ops.maximum(true, 1e-30))
+            correct = ops.cast(ops.argmax(probs, axis=-1) == labels, mz.dtype)
+            return nll, correct
+        y = ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz))
+        total = sz + self.observation_noise**2
+        nll = 0.5 * (ops.log(2.0 * math.pi * total) + ops.square(y - mz) / total)
+        return ops.sum(nll, axis=-1), None
+
+    def _step(self, values, x, y):
+        """TAGI's update of one batch on the values of `self.trainable_variables`: returns the
+        new values and the batch's scores under the prior."""
+        indices = self._variable_indices()
+        params = self._params(values, indices)
+        caches, (mz, sz, slope) = self._forward(params, x)
+        scores = self._scores(mz, sz, y)
+        noise_var = self.observation_noise**2
+        if self.task == CLASSIFICATION:
+            targets, observed = tagi.tree_targets(ops.reshape(y, (-1,)), self._paths)
+            dm, ds = tagi.observation_deltas(mz, sz, ops.cast(targets, mz.dtype), noise_var,
+                                             ops.cast(observed, mz.dtype))
+        else:
+            dm, ds = tagi.observation_deltas(mz, sz, ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz)), noise_var)
+        new_params = tagi.update(params, caches, slope, dm, ds)
+        new_values = list(values)
+        for idx, (km, kv, bm, bv) in zip(indices, new_params):
+            for i, value in zip(idx, (km, 0.5 * ops.log(kv), bm, None if bv is None else 0.5 * ops.log(bv))):
+                if i is not None:
+                    new_values[i] = ops.cast(value, values[i].dtype)
+        return new_values, scores
+
+    # ---------------------------------------------------------------- Keras hooks
+
+    def call(self, inputs, training=None):
+        params = [(layer.kernel_mean, layer.kernel_variance, layer.bias_mean, layer.bias_variance)
+                  for layer in self._tagi_layers]
+        dtype = self._tagi_layers[0].moment_dtype
+        params = [tuple(None if t is None else ops.cast(t, dtype) for t in p) for p in params]
+        _, (mz, sz, _) = self._forward(params, inputs)
+        return packing.pack(mz, sz)
+
+    def train_step(self, *args):
+        if len(args) == 2:  # JAX: a stateless step on (state, data)
+            state, data = args
+            trainable, non_trainable, optimizer_vars, metric_vars = state
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            new_trainable, scores = self._step(list(trainable), x, y)
+            logs, metric_vars = self._stateless_metrics(metric_vars, scores)
+            return logs, (new_trainable, non_trainable, optimizer_vars, metric_vars)
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(args[0])
+        variables = self.trainable_variables
+        new_values, scores = self._step([v.value for v in variables], x, y)
+        for variable, old, new in zip(variables, [v.value for v in variables], new_values):
+            if new is not old:
+                variable.assign(new)
+        return self._update_metrics(scores)
+
+    def test_step(self, *args):
+        if len(args) == 2:
+            state, data = args
+            trainable, non_trainable, metric_vars = state
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            params = self._params(list(trainable), self._variable_indices())
+            _, (mz, sz, _) = self._forward(params, x)
+            logs, metric_vars = self._stateless_metrics(metric_vars, self._scores(mz, sz, y))
+            return logs, (trainable, non_trainable, metric_vars)
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(args[0])
+        mz, sz = packing.split(self(x))[:2]
+        return self._update_metrics(self._scores(mz, sz, y))
+
+    def _update_metrics(self, scores):
+        nll, correct = scores
+        self.nll_tracker.update_state(nll)
+        if correct is not None:
+            self.accuracy_tracker.update_state(correct)
+        return {m.name: m.result() for m in self.metrics}
+
+    def _stateless_metrics(self, metric_vars, scores):
+        values = [v for v in scores if v is not None]
+        logs, new_vars, start = {}, [], 0
+        for metric, value in zip(self.metrics, values):
+            count = len(metric.variables)
+            current = metric.stateless_update_state(metric_vars[start:start + count], value)
+            logs[metric.name] = metric.stateless_result(current)
+            new_vars.extend(current)
+            start += count
+        return logs, new_vars
+
+    # ---------------------------------------------------------------- predictions
+
+    def predictive(self, outputs, level=0.95):
+        """The predictive distribution of packed outputs `model.predict(x)`, as NumPy arrays
+        (see the class docstring; `keras_dvi.predict` calls it)."""
+        mz, sz = (np.asarray(ops.convert_to_numpy(t), dtype="float64") for t in packing.split(ops.convert_to_tensor(outputs))[:2])
+        if self.task == CLASSIFICATION:
+            probs = np.asarray(ops.convert_to_numpy(tagi.class_probabilities(ops.convert_to_tensor(mz),
+                                                                              ops.convert_to_tensor(sz), self._paths)))
+            entropy = -np.sum(probs * np.log(np.maximum(probs, 1e-300)), axis=-1)
+            return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
+        aleatoric = np.full_like(sz, self.observation_noise**2)
+        variance = sz + aleatoric
+        std = np.sqrt(variance)
+        half = predictive.central_quantile(level) * std
+        return {"mean": mz, "variance": variance, "std": std, "epistemic": sz, "aleatoric": aleatoric,
+                "lower": mz - half, "upper": mz + half}
+
+    def get_config(self):
+        return {"name": self.name, "network": keras.saving.serialize_keras_object(self.network),
+                "observation_noise": self.observation_noise, "classes": self.classes, "forward": self.forward,
+                "initialize": False, "seed": self.seed}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["network"] = keras.saving.deserialize_keras_object(config["network"], custom_objects=custom_objects)
+        return cls(**config)
+
+
+def _split_chain(network):
+    """`(preprocessing layers, DenseDiagDVI layers)` of a chain network, or a clear error."""
+    if not network.built or not network.layers:
+        raise ValueError("Argument `network` must be built: start it with keras.Input(shape) (or call it once).")
+    layers = [layer for layer in network.layers if not isinstance(layer, keras.layers.InputLayer)]
+    first = next((i for i, layer in enumerate(layers) if isinstance(layer, DenseDiagDVI)), None)
+    if first is None:
+        raise ValueError("TAGIModel trains keras_dvi.DenseDiagDVI layers; the network has none.")
+    preprocessing, body = layers[:first], layers[first:]
+    for layer in preprocessing:
+        if layer.weights or any(True for _ in layers_of(layer)):
+            raise ValueError(
+                f"TAGIModel: layer {layer.name!r} ({type(layer).__name__}) comes before the first DenseDiagDVI "
+                "layer and has weights; only layers without weights (Flatten, Reshape, Rescaling, ...) may "
+                "come first (TAGI learns the DenseDiagDVI layers only)."
+            )
+    for layer in body:
+        if not isinstance(layer, DenseDiagDVI):
+            raise ValueError(
+                f"TAGIModel: after the first DenseDiagDVI layer every layer must be a DenseDiagDVI (TAGI's "
+                f"dense layers); found {type(layer).__name__} {layer.name!r}."
+            )
+        if layer.activation not in tagi.ACTIVATIONS:
+            raise ValueError(
+                f"TAGIModel: layer {layer.name!r} has activation={layer.activation!r}; TAGI supports "
+                f"{', '.join(tagi.ACTIVATIONS)} (Heaviside has no slope to pass its deltas down)."
+            )
+    if body[-1].activation != "linear":
+        raise ValueError(f"TAGIModel: the last layer ({body[-1].name!r}) must be linear (activation=None): its "
+                         "outputs are observed with Gaussian noise.")
+    return preprocessing, body
