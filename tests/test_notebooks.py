@@ -17,7 +17,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 def test_every_notebook_is_listed_in_the_readme():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    assert len(NOTEBOOKS) == 6
+    assert len(NOTEBOOKS) == 7
     for path in NOTEBOOKS:
         assert f"notebooks/{os.path.basename(path)}" in readme, path
 
