@@ -61,7 +61,8 @@ def canonical_forward(method):
     return method
 
 
-def dense_forward(mean, variance, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None):
+def dense_forward(mean, variance, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None,
+                  linear=ops.matmul):
     """Means and variances of `z = a W + b` (eq. 10, diagonal covariances).
 
     Args:
@@ -69,19 +70,139 @@ def dense_forward(mean, variance, kernel_mean, kernel_variance, bias_mean=None, 
         variance: `(batch, in)` variances of `a`, or `None` (deterministic inputs).
         kernel_mean, kernel_variance: `(in, out)`.
         bias_mean, bias_variance: `(out,)` or `None`.
+        linear: the map `(a, W) -> a W` (`Conv.apply` for a convolution: every position is a
+            dense layer on its patch, and the moments are the same sums).
 
     Returns:
         `(mz, sz)`, each `(batch, out)`.
     """
-    mz = ops.matmul(mean, kernel_mean)
-    sz = ops.matmul(ops.square(mean), kernel_variance)
+    mz = linear(mean, kernel_mean)
+    sz = linear(ops.square(mean), kernel_variance)
     if variance is not None:
-        sz = sz + ops.matmul(variance, kernel_variance + ops.square(kernel_mean))
+        sz = sz + linear(variance, kernel_variance + ops.square(kernel_mean))
     if bias_mean is not None:
         mz = mz + bias_mean
     if bias_variance is not None:
         sz = sz + bias_variance
     return mz, sz
+
+
+# ---------------------------------------------------------------- the steps of a network
+
+
+class Dense:
+    """A dense layer `z = a W + b` with its activation: the linear map and its two adjoints
+    (to the inputs, for the deltas; to the kernel, for the update)."""
+
+    has_weights = True
+
+    def __init__(self, activation="linear"):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"TAGI supports the activations {ACTIVATIONS}; received {activation!r}.")
+        self.activation = activation
+
+    def apply(self, x, kernel):
+        return ops.matmul(x, kernel)
+
+    def adjoint_input(self, d, kernel):
+        return ops.matmul(d, ops.transpose(kernel))
+
+    def adjoint_kernel(self, x, d):
+        return ops.matmul(ops.transpose(x), d)
+
+
+class Conv(Dense):
+    """A convolution (channels last, stride 1, no dilation, `"valid"` or `"same"` padding) with
+    its activation. Every output position is a dense layer on its input patch with the shared
+    kernel: the forward moments are eq. 10 per position, the deltas go down through the
+    transposed convolution, and the kernel's update sums every position's term (the weights'
+    covariance with each position's output), as the authors' code does."""
+
+    def __init__(self, activation, kernel_size, padding):
+        super().__init__(activation)
+        if padding not in ("valid", "same"):
+            raise ValueError(f"TAGI convolutions take padding 'valid' or 'same'; received {padding!r}.")
+        self.kernel_size, self.padding = tuple(kernel_size), padding
+
+    def apply(self, x, kernel):
+        return ops.conv(x, kernel, strides=1, padding=self.padding)
+
+    def adjoint_input(self, d, kernel):
+        return ops.conv_transpose(d, kernel, strides=1, padding=self.padding)
+
+    def adjoint_kernel(self, x, d):
+        if self.padding == "same":  # Keras' "same" with stride 1: (k - 1) // 2 before, the rest after
+            x = ops.pad(x, [(0, 0)] + [((k - 1) // 2, k - 1 - (k - 1) // 2) for k in self.kernel_size] + [(0, 0)])
+        out = tuple(d.shape[1:-1])
+        channels, filters = x.shape[-1], d.shape[-1]
+        flat_d = ops.reshape(d, (-1, filters))
+        taps = []  # one (in, filters) block per kernel offset: sum over batch and positions
+        for offset in np.ndindex(*self.kernel_size):
+            window = x[(slice(None),) + tuple(slice(o, o + n) for o, n in zip(offset, out)) + (slice(None),)]
+            taps.append(ops.matmul(ops.transpose(ops.reshape(window, (-1, channels))), flat_d))
+        return ops.reshape(ops.stack(taps), self.kernel_size + (channels, filters))
+
+
+class AveragePool:
+    """Average pooling, windows of `pool_size` with the same strides, `"valid"` padding: a
+    linear map, exact for independent units (variances divided by the window's size)."""
+
+    has_weights = False
+
+    def __init__(self, pool_size):
+        self.pool_size = tuple(pool_size)
+        self.count = math.prod(self.pool_size)
+
+    def forward(self, mean, variance):
+        pool = lambda x: ops.average_pool(x, self.pool_size, strides=self.pool_size, padding="valid")  # noqa: E731
+        return pool(mean), None if variance is None else pool(variance) / self.count
+
+    def adjoint(self, dm, ds, input_shape):
+        """Deltas of the inputs: each input gets its window's delta over the window's size (its
+        square for the variance deltas); rows no window covers get 0."""
+        for axis, size in enumerate(self.pool_size, start=1):
+            dm, ds = ops.repeat(dm, size, axis=axis), ops.repeat(ds, size, axis=axis)
+        pad = [(0, 0)] + [(0, n - m) for n, m in zip(input_shape[1:-1], dm.shape[1:-1])] + [(0, 0)]
+        if any(p[1] for p in pad):
+            dm, ds = ops.pad(dm, pad), ops.pad(ds, pad)
+        return dm / self.count, ds / self.count**2
+
+
+class GlobalAveragePool:
+    """The mean over every position of each channel (variances: their sum over the count squared)."""
+
+    has_weights = False
+
+    def forward(self, mean, variance):
+        axes = tuple(range(1, len(mean.shape) - 1))
+        count = math.prod(mean.shape[1:-1])  # (sums: Keras' JAX `ops.mean` loses float64 digits)
+        return ops.sum(mean, axis=axes) / count, None if variance is None else ops.sum(variance, axis=axes) / count**2
+
+    def adjoint(self, dm, ds, input_shape):
+        spatial = tuple(input_shape[1:-1])
+        count = math.prod(spatial)
+        shape = (-1,) + (1,) * len(spatial) + (dm.shape[-1],)
+        ones = ops.ones((1,) + spatial + (1,), dtype=dm.dtype)
+        return ops.reshape(dm, shape) * ones / count, ops.reshape(ds, shape) * ones / count**2
+
+
+class Flatten:
+    """Feature maps to vectors, in `keras.layers.Flatten`'s order."""
+
+    has_weights = False
+
+    def forward(self, mean, variance):
+        flat = lambda x: ops.reshape(x, (-1, math.prod(x.shape[1:])))  # noqa: E731
+        return flat(mean), None if variance is None else flat(variance)
+
+    def adjoint(self, dm, ds, input_shape):
+        shape = (-1,) + tuple(input_shape[1:])
+        return ops.reshape(dm, shape), ops.reshape(ds, shape)
+
+
+def _steps(steps):
+    """Steps as objects: an activation name stands for a `Dense` layer."""
+    return [Dense(step) if isinstance(step, str) else step for step in steps]
 
 
 def slope_at_mean(mz, activation):
@@ -131,80 +252,105 @@ def observation_deltas(mz, sz, y, noise_variance, observed=None):
     return dm, ds
 
 
-def hidden_deltas(dm_next, ds_next, kernel_mean, slope):
-    """Deltas of a layer's input pre-activations from those of its outputs (eq. 15, diagonal):
-    `dm = J (dm+ mw^T)`, `ds = J^2 (ds+ (mw^2)^T)`."""
-    dm = slope * ops.matmul(dm_next, ops.transpose(kernel_mean))
-    ds = ops.square(slope) * ops.matmul(ds_next, ops.transpose(ops.square(kernel_mean)))
-    return dm, ds
-
-
 def _shrink_guard(old, new):
     return ops.maximum(new, MAX_SHRINK * old)
 
 
-def parameter_update(mean_in, dm_next, ds_next, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None):
+def parameter_update(mean_in, dm_next, ds_next, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None,
+                     step=None, max_step=None):
     """The posterior of one layer's parameters after a batch (eq. 16, diagonal), its deltas
     summed over the batch: `mw += sw (ma^T dm+)`, `sw += sw^2 ((ma^2)^T ds+)`; biases alike
-    with `ma = 1`. Variances shrink by at most `MAX_SHRINK` per update.
+    with `ma = 1`. Variances shrink by at most `MAX_SHRINK` per update. For a `Conv` `step`
+    the sums run over the batch and every output position.
+
+    `max_step` (`None`: no cap, the paper): a mean moves by at most `max_step` of its prior
+    standard deviations in one update (the authors' cuTAGI caps its updates the same way, at
+    `1 / cap_factor`). The summed terms of one batch all come from one prior; a kernel shared
+    by many positions sums hundreds of them and can overshoot.
 
     Returns:
         `(kernel_mean, kernel_variance, bias_mean, bias_variance)` (the bias entries `None`
         without a bias).
     """
-    mw = kernel_mean + kernel_variance * ops.matmul(ops.transpose(mean_in), dm_next)
-    sw = kernel_variance + ops.square(kernel_variance) * ops.matmul(ops.transpose(ops.square(mean_in)), ds_next)
+    step = step or Dense()
+
+    def move(mean, variance, change):
+        if max_step is None:
+            return mean + change
+        bound = max_step * ops.sqrt(variance)
+        return mean + ops.clip(change, -bound, bound)
+
+    mw = move(kernel_mean, kernel_variance, kernel_variance * step.adjoint_kernel(mean_in, dm_next))
+    sw = kernel_variance + ops.square(kernel_variance) * step.adjoint_kernel(ops.square(mean_in), ds_next)
     sw = _shrink_guard(kernel_variance, sw)
     if bias_mean is None:
         return mw, sw, None, None
-    mb = bias_mean + bias_variance * ops.sum(dm_next, axis=0)
-    sb = _shrink_guard(bias_variance, bias_variance + ops.square(bias_variance) * ops.sum(ds_next, axis=0))
+    axes = tuple(range(len(dm_next.shape) - 1))
+    mb = move(bias_mean, bias_variance, bias_variance * ops.sum(dm_next, axis=axes))
+    sb = _shrink_guard(bias_variance, bias_variance + ops.square(bias_variance) * ops.sum(ds_next, axis=axes))
     return mw, sw, mb, sb
 
 
-def forward(x, params, activations, method="linearized"):
-    """TAGI's forward pass through a chain of dense layers.
+def forward(x, params, steps, method="linearized"):
+    """TAGI's forward pass through a chain of layers.
 
     Args:
-        x: `(batch, in)` deterministic inputs.
-        params: per layer `(kernel_mean, kernel_variance, bias_mean, bias_variance)`.
-        activations: per layer, one of `ACTIVATIONS`.
+        x: `(batch, ...)` deterministic inputs.
+        params: per layer with weights `(kernel_mean, kernel_variance, bias_mean, bias_variance)`.
+        steps: per layer, a `Dense`, `Conv`, `AveragePool`, `GlobalAveragePool` or `Flatten`
+            (an activation name, one of `ACTIVATIONS`, stands for `Dense(activation)`).
         method: one of `FORWARD_METHODS` (hidden activations; see `activation_forward`).
 
     Returns:
-        `(caches, (mz, sz))`: per layer the `(ma, sa)` it received (`sa` `None` for data) and
-        the slope `J` of the activation of its inputs (`None` for the first layer); and the last
-        layer's output moments after its activation.
+        `(caches, (ma, sa, J))`: per step what the backward pass needs (for a layer with weights
+        the `(ma, sa)` it received and the slope `J` of its own activation; for a map its input
+        shape), and the last layer's output moments and slope.
     """
     mean, var, slope = x, None, None
-    caches = []
-    for (mw, sw, mb, sb), activation in zip(params, activations):
-        caches.append((mean, var, slope))
-        mz, sz = dense_forward(mean, var, mw, sw, mb, sb)
-        mean, var, slope = activation_forward(mz, sz, activation, method)
+    caches, weights = [], iter(params)
+    for step in _steps(steps):
+        if not step.has_weights:
+            caches.append(tuple(mean.shape))
+            mean, var = step.forward(mean, var)
+            continue
+        mw, sw, mb, sb = next(weights)
+        mz, sz = dense_forward(mean, var, mw, sw, mb, sb, linear=step.apply)
+        caches.append((mean, var))
+        mean, var, slope = activation_forward(mz, sz, step.activation, method)
+        caches[-1] = caches[-1] + (slope,)
     return caches, (mean, var, slope)
 
 
-def update(params, caches, out_slope, dm_out, ds_out):
+def update(params, caches, steps, dm_out, ds_out, max_step=None):
     """Updates every layer's parameters from the output deltas of a batch (the RTS pass):
     deltas go down with the prior's means, then each layer is updated once.
 
     Args:
-        params, caches: as for / from `forward`.
-        out_slope: the slope `J` of the output activation (ones for a linear output).
-        dm_out, ds_out: the deltas of the output activations (`observation_deltas`).
+        params, steps, caches: as for / from `forward`.
+        dm_out, ds_out: the deltas of the last layer's outputs (after its activation:
+            `observation_deltas`).
+        max_step: `None` or the cap on the means' moves (see `parameter_update`).
 
     Returns:
         The new `params`.
     """
-    dm, ds = dm_out * out_slope, ds_out * ops.square(out_slope)  # from a+ = f(z) to z
+    steps = _steps(steps)
+    params = list(params)
     new = [None] * len(params)
-    for j in range(len(params) - 1, -1, -1):
-        mw, sw, mb, sb = params[j]
+    index = len(params)
+    dm, ds = dm_out, ds_out  # deltas of the outputs of the step below the cursor
+    for j in range(len(steps) - 1, -1, -1):
+        step = steps[j]
+        if not step.has_weights:
+            dm, ds = step.adjoint(dm, ds, caches[j])
+            continue
+        index -= 1
         mean_in, _, slope = caches[j]
-        new[j] = parameter_update(mean_in, dm, ds, mw, sw, mb, sb)
-        if j:
-            dm, ds = hidden_deltas(dm, ds, mw, slope)
+        dm, ds = dm * slope, ds * ops.square(slope)  # from a = f(z) to z (eq. 15)
+        mw, sw, mb, sb = params[index]
+        new[index] = parameter_update(mean_in, dm, ds, mw, sw, mb, sb, step=step, max_step=max_step)
+        if index:
+            dm, ds = step.adjoint_input(dm, mw), step.adjoint_input(ds, ops.square(mw))
     return new
 
 

@@ -8,15 +8,20 @@ import numpy as np
 from keras import ops
 
 from keras_dvi import packing, predictive, tagi
+from keras_dvi.layers.conv_dvi import ConvDVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
+from keras_dvi.layers.pooling_dvi import AveragePoolingDVI, FlattenDVI, GlobalAveragePoolingDVI, MaxPoolingDVI
 from keras_dvi.network import layers_of
 
 REGRESSION, CLASSIFICATION = "regression", "classification"
+#: The layers TAGI updates, and the weightless maps it passes its deltas through.
+WEIGHT_LAYERS = (DenseDiagDVI, ConvDVI)
+MAP_LAYERS = (AveragePoolingDVI, GlobalAveragePoolingDVI, FlattenDVI)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class TAGIModel(keras.Model):
-    """Trains a network of `DenseDiagDVI` layers by tractable approximate Gaussian inference.
+    """Trains a network of `DenseDiagDVI` (and conv) layers by tractable approximate Gaussian inference.
 
     TAGI (Goulet, Nguyen and Amiri, JMLR 2021) learns without gradients: every batch is
     propagated through the current posterior (eq. 10), the observed outputs are conditioned on
@@ -28,7 +33,13 @@ class TAGIModel(keras.Model):
     The network is wrapped, not changed: the same layers can be trained by DVI (gradients on
     the ELBO) instead. Its leading layers without weights (`Flatten`, `Reshape`, ...) are
     applied to the data as they are; then come `DenseDiagDVI` layers (activation `"relu"`,
-    `"leaky_relu"` or `None`), the last one linear.
+    `"leaky_relu"` or `None`), the last one linear. Convolutional networks: `Conv1DDVI` /
+    `Conv2DDVI` (strides 1, no dilation, `"valid"` or `"same"`, the activation on the conv
+    layer), `AveragePooling1DDVI` / `2DDVI` (non-overlapping windows),
+    `GlobalAveragePooling1DDVI` / `2DDVI` and `FlattenDVI`, then the dense layers. Each conv
+    output position is a dense unit on its patch with the shared kernel (per-position
+    diagonal moments, the authors' conv rule); max pooling is refused (no closed-form update
+    here).
 
     Regression: the last layer has one unit per target and the targets are observed with
     homoscedastic noise of standard deviation `observation_noise` (the paper's `sigma_V`).
@@ -46,6 +57,13 @@ class TAGIModel(keras.Model):
             variances by Xavier's rule `2 / (fan_in + fan_out)`, bias variances 0.01, means
             drawn from the prior (`seed`). `False` keeps the layers' current posteriors.
         seed: integer seed of the initial means.
+        max_step: `"auto"` (default), `None` or a positive number: a weight's mean moves by at
+            most `max_step` prior standard deviations per batch (`keras_dvi.tagi.parameter_update`;
+            the authors' cuTAGI caps its updates the same way). `"auto"`: no cap for dense
+            networks (the paper's updates), 1 for networks with conv layers, whose shared
+            kernels sum one term per position and example from one prior and otherwise
+            overshoot (measured: a 16-filter CNN on the digits went to chance level without the
+            cap, 0.90 accuracy with it; BENCHMARKS.md).
         **kwargs: base `keras.Model` arguments (`name`).
 
     Outputs:
@@ -71,7 +89,7 @@ class TAGIModel(keras.Model):
     """
 
     def __init__(self, network, observation_noise=1.0, classes=None, forward="linearized", initialize=True,
-                 seed=None, **kwargs):
+                 seed=None, max_step="auto", **kwargs):
         super().__init__(**kwargs)
         if isinstance(network, dict):
             network = keras.saving.deserialize_keras_object(network)
@@ -88,7 +106,9 @@ class TAGIModel(keras.Model):
         self.forward = tagi.canonical_forward(forward)
         self.classes = classes
         self.task = REGRESSION if classes is None else CLASSIFICATION
-        self._preprocessing, self._tagi_layers = _split_chain(network)
+        self._preprocessing, body = _split_chain(network)
+        self._steps = [_step(layer) for layer in body]
+        self._tagi_layers = [layer for layer in body if isinstance(layer, WEIGHT_LAYERS)]
         units = self._tagi_layers[-1].units
         if self.task == CLASSIFICATION:
             tree_units, paths = tagi.tree(classes)
@@ -98,6 +118,12 @@ class TAGIModel(keras.Model):
                     f"(one per node of the classification tree, keras_dvi.tagi.tree({classes})); it has {units}."
                 )
             self._paths = paths
+        if not (max_step is None or max_step == "auto" or (isinstance(max_step, (int, float))
+                                                          and 0.0 < float(max_step) < math.inf)):
+            raise ValueError(f"Argument `max_step` must be 'auto', None or positive and finite; received {max_step!r}.")
+        self.max_step = max_step
+        has_conv = any(isinstance(step, tagi.Conv) for step in self._steps)
+        self._max_step = (1.0 if has_conv else None) if max_step == "auto" else max_step
         self.seed = seed
         if initialize:
             self._initialize(seed)
@@ -109,12 +135,13 @@ class TAGIModel(keras.Model):
     def _initialize(self, seed):
         rng = np.random.default_rng(seed)
         for layer in self._tagi_layers:
-            fan_in, fan_out = (int(n) for n in layer.kernel_mean.shape)
-            var_w = 2.0 / (fan_in + fan_out)
-            mean_w = rng.normal(0.0, math.sqrt(var_w), (fan_in, fan_out))
+            shape = tuple(int(n) for n in layer.kernel_mean.shape)  # conv: (*kernel_size, in, filters)
+            taps = math.prod(shape[:-2])
+            var_w = 2.0 / (taps * (shape[-2] + shape[-1]))  # Glorot's fans, as Keras counts them
+            mean_w = rng.normal(0.0, math.sqrt(var_w), shape)
             bias = {}
             if layer.use_bias:
-                bias = {"bias_mean": rng.normal(0.0, 0.1, (fan_out,)), "bias_variance": 0.01}
+                bias = {"bias_mean": rng.normal(0.0, 0.1, (shape[-1],)), "bias_variance": 0.01}
             layer.set_posterior(mean_w, var_w, **bias)
 
     @property
@@ -169,8 +196,7 @@ class TAGIModel(keras.Model):
         return ops.cast(x, self._tagi_layers[0].moment_dtype)
 
     def _forward(self, params, x):
-        activations = [layer.activation for layer in self._tagi_layers]
-        return tagi.forward(self._inputs(x), params, activations, self.forward)
+        return tagi.forward(self._inputs(x), params, self._steps, self.forward)
 
     def _scores(self, mz, sz, y):
         """Per-example negative log predictive density (and correctness) of the targets."""
@@ -200,7 +226,7 @@ class TAGIModel(keras.Model):
                                              ops.cast(observed, mz.dtype))
         else:
             dm, ds = tagi.observation_deltas(mz, sz, ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz)), noise_var)
-        new_params = tagi.update(params, caches, slope, dm, ds)
+        new_params = tagi.update(params, caches, self._steps, dm, ds, max_step=self._max_step)
         new_values = list(values)
         for idx, (km, kv, bm, bv) in zip(indices, new_params):
             for i, value in zip(idx, (km, 0.5 * ops.log(kv), bm, None if bv is None else 0.5 * ops.log(bv))):
@@ -286,7 +312,7 @@ class TAGIModel(keras.Model):
     def get_config(self):
         return {"name": self.name, "network": keras.saving.serialize_keras_object(self.network),
                 "observation_noise": self.observation_noise, "classes": self.classes, "forward": self.forward,
-                "initialize": False, "seed": self.seed}
+                "initialize": False, "seed": self.seed, "max_step": self.max_step}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -295,34 +321,63 @@ class TAGIModel(keras.Model):
         return cls(**config)
 
 
+def _step(layer):
+    """The `keras_dvi.tagi` step of a layer of the chain (checked by `_split_chain`)."""
+    if isinstance(layer, DenseDiagDVI):
+        return tagi.Dense(layer.activation)
+    if isinstance(layer, ConvDVI):
+        return tagi.Conv(layer.activation, layer.kernel_size, layer.padding)
+    if isinstance(layer, AveragePoolingDVI):
+        return tagi.AveragePool(layer.pool_size)
+    if isinstance(layer, GlobalAveragePoolingDVI):
+        return tagi.GlobalAveragePool()
+    return tagi.Flatten()
+
+
 def _split_chain(network):
-    """`(preprocessing layers, DenseDiagDVI layers)` of a chain network, or a clear error."""
+    """`(preprocessing layers, TAGI layers)` of a chain network, or a clear error."""
     if not network.built or not network.layers:
         raise ValueError("Argument `network` must be built: start it with keras.Input(shape) (or call it once).")
     layers = [layer for layer in network.layers if not isinstance(layer, keras.layers.InputLayer)]
-    first = next((i for i, layer in enumerate(layers) if isinstance(layer, DenseDiagDVI)), None)
+    first = next((i for i, layer in enumerate(layers) if isinstance(layer, WEIGHT_LAYERS)), None)
     if first is None:
-        raise ValueError("TAGIModel trains keras_dvi.DenseDiagDVI layers; the network has none.")
+        raise ValueError("TAGIModel trains keras_dvi.DenseDiagDVI, Conv1DDVI and Conv2DDVI layers; the network has none.")
     preprocessing, body = layers[:first], layers[first:]
     for layer in preprocessing:
         if layer.weights or any(True for _ in layers_of(layer)):
             raise ValueError(
-                f"TAGIModel: layer {layer.name!r} ({type(layer).__name__}) comes before the first DenseDiagDVI "
-                "layer and has weights; only layers without weights (Flatten, Reshape, Rescaling, ...) may "
-                "come first (TAGI learns the DenseDiagDVI layers only)."
+                f"TAGIModel: layer {layer.name!r} ({type(layer).__name__}) comes before the first DenseDiagDVI or "
+                "ConvDVI layer and has weights; only layers without weights (Flatten, Reshape, Rescaling, ...) may "
+                "come first (TAGI learns the keras-dvi layers only)."
             )
     for layer in body:
-        if not isinstance(layer, DenseDiagDVI):
+        if not isinstance(layer, WEIGHT_LAYERS + MAP_LAYERS):
+            hint = (" Max pooling has no closed-form TAGI update here: use AveragePooling1DDVI / AveragePooling2DDVI "
+                    "(with the activation on the conv layer)." if isinstance(layer, MaxPoolingDVI) else "")
             raise ValueError(
-                f"TAGIModel: after the first DenseDiagDVI layer every layer must be a DenseDiagDVI (TAGI's "
-                f"dense layers); found {type(layer).__name__} {layer.name!r}."
+                f"TAGIModel: after the first keras-dvi layer with weights every layer must be one TAGI can update: "
+                f"DenseDiagDVI, Conv1DDVI / Conv2DDVI, AveragePooling1DDVI / 2DDVI, GlobalAveragePooling1DDVI / "
+                f"2DDVI or FlattenDVI; found {type(layer).__name__} {layer.name!r}.{hint}"
             )
-        if layer.activation not in tagi.ACTIVATIONS:
+        if isinstance(layer, WEIGHT_LAYERS) and layer.activation not in tagi.ACTIVATIONS:
             raise ValueError(
                 f"TAGIModel: layer {layer.name!r} has activation={layer.activation!r}; TAGI supports "
                 f"{', '.join(tagi.ACTIVATIONS)} (Heaviside has no slope to pass its deltas down)."
             )
-    if body[-1].activation != "linear":
-        raise ValueError(f"TAGIModel: the last layer ({body[-1].name!r}) must be linear (activation=None): its "
-                         "outputs are observed with Gaussian noise.")
+        if isinstance(layer, ConvDVI) and (set(layer.strides) != {1} or set(layer.dilation_rate) != {1}):
+            raise ValueError(
+                f"TAGIModel: conv layer {layer.name!r} has strides={layer.strides}, dilation_rate="
+                f"{layer.dilation_rate}; TAGI's conv update supports strides 1 and dilation 1 (downsample "
+                "with AveragePooling2DDVI)."
+            )
+        if isinstance(layer, AveragePoolingDVI) and (tuple(layer.strides) != tuple(layer.pool_size)
+                                                     or layer.padding != "valid"):
+            raise ValueError(
+                f"TAGIModel: pooling layer {layer.name!r} must have strides equal to pool_size and padding "
+                f"'valid' (non-overlapping windows); it has pool_size={layer.pool_size}, strides={layer.strides}, "
+                f"padding={layer.padding!r}."
+            )
+    if not isinstance(body[-1], DenseDiagDVI) or body[-1].activation != "linear":
+        raise ValueError(f"TAGIModel: the last layer ({body[-1].name!r}) must be a linear DenseDiagDVI "
+                         "(activation=None): its outputs are observed with Gaussian noise.")
     return preprocessing, body

@@ -41,7 +41,7 @@ def test_linear_layer_update_is_the_exact_posterior(use_bias):
     params = [(_tensor(mw), _tensor(sw), _tensor(mb) if use_bias else None, _tensor(sb) if use_bias else None)]
     caches, (mz, sz, slope) = tagi.forward(_tensor(x), params, ["linear"])
     dm, ds = tagi.observation_deltas(mz, sz, _tensor(y), noise**2)
-    (new_mw, new_sw, new_mb, new_sb), = tagi.update(params, caches, slope, dm, ds)
+    (new_mw, new_sw, new_mb, new_sb), = tagi.update(params, caches, ["linear"], dm, ds)
     h = np.append(x[0], 1.0) if use_bias else x[0]
     for i in range(n_out):
         mean = np.append(mw[:, i], mb[i]) if use_bias else mw[:, i]
@@ -147,12 +147,248 @@ def test_update_matches_the_papers_equations(forward):
                                            activations, forward)
     expected = _numpy_tagi_step(x, y, params, activations, noise, forward)
     dm, ds = tagi.observation_deltas(mz, sz, _tensor(y), noise**2)
-    got = tagi.update([tuple(_tensor(p) for p in layer) for layer in params], caches, slope, dm, ds)
+    got = tagi.update([tuple(_tensor(p) for p in layer) for layer in params], caches, activations, dm, ds)
     for (gm, gs, gbm, gbs), (em, es, ebm, ebs) in zip(got, expected):
         np.testing.assert_allclose(_np(gm), em, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(_np(gs), es, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(_np(gbm), ebm, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(_np(gbs), ebs, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- conv networks, position by position
+
+
+def _numpy_conv(a, w, padding):
+    """`z[b, p, f] = sum_{o, c} a[b, p + o - pad, c] w[o, c, f]` by explicit patches (2D maps;
+    1D as height 1). Returns `z` and the patches `(batch, positions, taps * in)` with the
+    positions' coordinates in the padded input."""
+    kh, kw, c_in, _ = w.shape
+    if padding == "same":
+        a = np.pad(a, [(0, 0), ((kh - 1) // 2, kh - 1 - (kh - 1) // 2), ((kw - 1) // 2, kw - 1 - (kw - 1) // 2), (0, 0)])
+    batch, h, wd, _ = a.shape
+    oh, ow = h - kh + 1, wd - kw + 1
+    patches = np.zeros((batch, oh * ow, kh * kw * c_in))
+    for b in range(batch):
+        for i in range(oh):
+            for j in range(ow):
+                patches[b, i * ow + j] = a[b, i:i + kh, j:j + kw, :].reshape(-1)
+    return patches, (oh, ow)
+
+
+def _numpy_tagi_conv_step(x, y, layers, params, noise, forward):
+    """One batch of TAGI through conv, pooling, flatten and dense layers, each conv output
+    position written as a dense unit on its patch (eqs. 10-16 per position; the kernel's
+    update sums every position's term): the oracle of `test_conv_update_matches_the_papers_equations`."""
+    phi, Phi = stats.norm.pdf, stats.norm.cdf
+    batch = len(x)
+    ma, sa = x, np.zeros_like(x)
+    records, weights = [], iter(params)
+    for layer in layers:
+        kind = layer[0]
+        if kind == "pool":
+            kh, kw = (layer[1],) * 2 if isinstance(layer[1], int) else layer[1]
+            _, h, wd, c = ma.shape
+            oh, ow = h // kh, wd // kw
+            pool = lambda t: t[:, :oh * kh, :ow * kw].reshape(batch, oh, kh, ow, kw, c).mean((2, 4))  # noqa: E731
+            records.append(("pool", (kh, kw), ma.shape))
+            ma, sa = pool(ma), pool(sa) / (kh * kw)
+            continue
+        if kind == "gap":
+            n = ma.shape[1] * ma.shape[2]
+            records.append(("gap", ma.shape))
+            ma, sa = ma.mean((1, 2)), sa.mean((1, 2)) / n
+            continue
+        if kind == "flatten":
+            records.append(("flatten", ma.shape))
+            ma, sa = ma.reshape(batch, -1), sa.reshape(batch, -1)
+            continue
+        mw, sw, mb, sb = next(weights)
+        act = layer[1]
+        if kind == "conv":
+            padding = layer[2]
+            pm, out = _numpy_conv(ma, mw, padding)
+            ps, _ = _numpy_conv(sa, mw, padding)
+            wm, wv = mw.reshape(-1, mw.shape[-1]), sw.reshape(-1, sw.shape[-1])
+            mz = (pm @ wm + mb).reshape(batch, *out, -1)
+            sz = (ps @ (wv + wm**2) + pm**2 @ wv + sb).reshape(batch, *out, -1)
+        else:
+            pm = ma
+            mz = ma @ mw + mb
+            sz = sa @ (sw + mw**2) + ma**2 @ sw + sb
+        if act == "linear":
+            a_m, a_s, J = mz, sz, np.ones_like(mz)
+        elif forward == "linearized":
+            J = (mz > 0).astype(float)
+            a_m, a_s = np.maximum(mz, 0), J**2 * sz
+        else:
+            sd = np.sqrt(sz)
+            mu = mz / sd
+            a_m = sd * phi(mu) + mz * Phi(mu)
+            a_s = (mz**2 + sz) * Phi(mu) + mz * sd * phi(mu) - a_m**2
+            J = Phi(mu)
+        records.append((kind, layer, ma.shape, pm, J))
+        ma, sa = a_m, a_s
+    dm, ds = (y - ma) / (sa + noise**2), -1.0 / (sa + noise**2)
+    new, index = [None] * len(params), len(params)
+    for record in reversed(records):
+        kind = record[0]
+        if kind == "pool":  # each input gets its window's delta / k (variances / k^2)
+            _, (kh, kw), shape = record
+            n = kh * kw
+            dm_in, ds_in = np.zeros(shape), np.zeros(shape)
+            for i in range(dm.shape[1]):
+                for j in range(dm.shape[2]):
+                    dm_in[:, i * kh:(i + 1) * kh, j * kw:(j + 1) * kw] = dm[:, i:i + 1, j:j + 1] / n
+                    ds_in[:, i * kh:(i + 1) * kh, j * kw:(j + 1) * kw] = ds[:, i:i + 1, j:j + 1] / n**2
+            dm, ds = dm_in, ds_in
+            continue
+        if kind == "gap":
+            shape = record[1]
+            n = shape[1] * shape[2]
+            dm = np.broadcast_to(dm[:, None, None, :] / n, shape)
+            ds = np.broadcast_to(ds[:, None, None, :] / n**2, shape)
+            continue
+        if kind == "flatten":
+            dm, ds = dm.reshape(record[1]), ds.reshape(record[1])
+            continue
+        _, layer, in_shape, patches, J = record
+        index -= 1
+        mw, sw, mb, sb = params[index]
+        dm, ds = dm * J, ds * J**2
+        if kind == "dense":
+            gm, gs = patches.T @ dm, (patches**2).T @ ds
+            dm_b, ds_b, axes = dm, ds, 0
+        else:
+            f = mw.shape[-1]
+            flat_dm, flat_ds = dm.reshape(batch, -1, f), ds.reshape(batch, -1, f)
+            gm = sum(patches[b].T @ flat_dm[b] for b in range(batch)).reshape(mw.shape)
+            gs = sum((patches[b] ** 2).T @ flat_ds[b] for b in range(batch)).reshape(mw.shape)
+            axes = (0, 1, 2)
+        new_sw = np.maximum(sw + sw**2 * gs, tagi.MAX_SHRINK * sw)
+        new_sb = np.maximum(sb + sb**2 * ds.sum(axes), tagi.MAX_SHRINK * sb)
+        new[index] = (mw + sw * gm, new_sw, mb + sb * dm.sum(axes), new_sb)
+        if not index:
+            break
+        if kind == "dense":
+            dm, ds = dm @ mw.T, ds @ (mw**2).T
+        else:  # each input unit collects the deltas of every position whose patch holds it
+            kh, kw = mw.shape[:2]
+            pad = ((kh - 1) // 2, (kw - 1) // 2) if layer[2] == "same" else (0, 0)
+            padded = (in_shape[0], in_shape[1] + (kh - 1 if layer[2] == "same" else 0),
+                      in_shape[2] + (kw - 1 if layer[2] == "same" else 0), in_shape[3])
+            dm_in, ds_in = np.zeros(padded), np.zeros(padded)
+            for i in range(dm.shape[1]):
+                for j in range(dm.shape[2]):
+                    for di in range(kh):
+                        for dj in range(kw):
+                            dm_in[:, i + di, j + dj] += dm[:, i, j] @ mw[di, dj].T
+                            ds_in[:, i + di, j + dj] += ds[:, i, j] @ (mw[di, dj] ** 2).T
+            dm = dm_in[:, pad[0]:pad[0] + in_shape[1], pad[1]:pad[1] + in_shape[2]]
+            ds = ds_in[:, pad[0]:pad[0] + in_shape[1], pad[1]:pad[1] + in_shape[2]]
+    return new
+
+
+CONV_NETWORKS = {
+    # (input shape, layers): "same" with odd and even kernels, a pool that drops a row, both heads
+    "conv_pool_flatten": ((7, 7, 2), [("conv", "relu", "same", 3, 3), ("pool", 2), ("conv", "relu", "valid", 2, 2),
+                                      ("flatten",), ("dense", "relu", 5), ("dense", "linear", 2)]),
+    "conv_even_same_gap": ((6, 5, 1), [("conv", "relu", "same", 2, 4), ("conv", "linear", "valid", 3, 3), ("gap",),
+                                       ("dense", "linear", 2)]),
+    "conv1d": ((1, 9, 2), [("conv", "relu", "same", (1, 3), 3), ("pool", (1, 2)), ("flatten",),
+                           ("dense", "linear", 2)]),
+}
+
+
+@pytest.mark.parametrize("forward", ["linearized", "moments"])
+@pytest.mark.parametrize("name", sorted(CONV_NETWORKS))
+def test_conv_update_matches_the_papers_equations(name, forward):
+    """Conv, average pooling, global average pooling and flatten: every parameter after one
+    batch equals the position-by-position NumPy evaluation of eqs. 10-16."""
+    shape, layers = CONV_NETWORKS[name]
+    rng = np.random.default_rng(5)
+    batch, noise, one_d = 4, 1.0, name == "conv1d"
+    x = rng.normal(size=(batch,) + shape)
+    params, steps, channels = [], [], shape[-1]
+    probe = x
+    for layer in layers:
+        if layer[0] in ("conv", "dense"):
+            if layer[0] == "conv":
+                kernel = (layer[3],) * 2 if isinstance(layer[3], int) else layer[3]
+                wshape = kernel + (channels, layer[4])
+                channels = layer[4]
+            else:
+                fan_in = int(np.prod(probe.shape[1:]))
+                wshape = (fan_in, layer[2])
+            params.append((rng.normal(0, 0.5, wshape), rng.uniform(0.05, 0.2, wshape),
+                           rng.normal(0, 0.2, wshape[-1]), rng.uniform(0.005, 0.02, wshape[-1])))
+        # the shape flowing through (for the dense fan-in), from the oracle's own conv and pooling
+        if layer[0] == "conv":
+            patches, out = _numpy_conv(probe, params[-1][0], layer[2])
+            probe = np.zeros((batch,) + out + (channels,))
+        elif layer[0] == "pool":
+            k = (layer[1],) * 2 if isinstance(layer[1], int) else layer[1]
+            probe = np.zeros((batch, probe.shape[1] // k[0], probe.shape[2] // k[1], probe.shape[3]))
+        elif layer[0] == "gap":
+            probe = np.zeros((batch, probe.shape[3]))
+        elif layer[0] == "flatten":
+            probe = probe.reshape(batch, -1)
+        elif layer[0] == "dense":
+            probe = np.zeros((batch, layer[2]))
+    y = rng.normal(size=(batch, layers[-1][2]))
+
+    def squeeze(t):  # 1D: the oracle's height-1 maps and kernels as Conv1D's
+        return t[:, 0] if one_d else t
+
+    for layer in layers:
+        if layer[0] == "conv":
+            kernel = (layer[3],) * 2 if isinstance(layer[3], int) else layer[3]
+            steps.append(tagi.Conv(layer[1], kernel[1:] if one_d else kernel, layer[2]))
+        elif layer[0] == "pool":
+            k = (layer[1],) * 2 if isinstance(layer[1], int) else layer[1]
+            steps.append(tagi.AveragePool(k[1:] if one_d else k))
+        elif layer[0] == "gap":
+            steps.append(tagi.GlobalAveragePool())
+        elif layer[0] == "flatten":
+            steps.append(tagi.Flatten())
+        else:
+            steps.append(tagi.Dense(layer[1]))
+    tensors = []
+    for (mw, sw, mb, sb), conv in zip(params, [l for l in layers if l[0] in ("conv", "dense")]):
+        k = (lambda w: w[0]) if (one_d and conv[0] == "conv") else (lambda w: w)
+        tensors.append((_tensor(k(mw)), _tensor(k(sw)), _tensor(mb), _tensor(sb)))
+    caches, (mz, sz, _) = tagi.forward(_tensor(squeeze(x)), tensors, steps, forward)
+    dm, ds = tagi.observation_deltas(mz, sz, _tensor(y), noise**2)
+    got = tagi.update(tensors, caches, steps, dm, ds)
+    expected = _numpy_tagi_conv_step(x, y, layers, params, noise, forward)
+    for (gm, gs, gbm, gbs), (em, es, ebm, ebs), conv in zip(got, expected,
+                                                            [l for l in layers if l[0] in ("conv", "dense")]):
+        k = (lambda w: w[0]) if (one_d and conv[0] == "conv") else (lambda w: w)
+        np.testing.assert_allclose(_np(gm), k(em), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(_np(gs), k(es), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(_np(gbm), ebm, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(_np(gbs), ebs, rtol=1e-10, atol=1e-12)
+    assert any(not np.allclose(_np(g[0]), p[0]) for g, p in zip(got, params))  # the batch moved the means
+
+
+def test_max_step_caps_each_mean_move_at_prior_standard_deviations():
+    """`max_step`: the uncapped update where it moves a mean by less than `max_step` prior
+    standard deviations, exactly that bound (with the update's sign) where it moves more;
+    the variances are the uncapped ones."""
+    rng = np.random.default_rng(6)
+    x, dm, ds = rng.normal(size=(20, 3)), rng.normal(size=(20, 2)), -rng.uniform(0.1, 1.0, (20, 2))
+    mw, sw = rng.normal(size=(3, 2)), rng.uniform(0.01, 0.5, (3, 2))
+    mb, sb = rng.normal(size=2), rng.uniform(0.01, 0.5, 2)
+    args = [_tensor(a) for a in (x, dm, ds, mw, sw, mb, sb)]
+    free = [_np(t) for t in tagi.parameter_update(*args)]
+    capped = [_np(t) for t in tagi.parameter_update(*args, max_step=0.5)]
+    for (m0, v0), m_free, m_cap in [((mw, sw), free[0], capped[0]), ((mb, sb), free[2], capped[2])]:
+        move = m_free - m0
+        bound = 0.5 * np.sqrt(v0)
+        np.testing.assert_allclose(m_cap - m0, np.sign(move) * np.minimum(np.abs(move), bound), rtol=1e-12, atol=1e-14)
+    move, bound = free[0] - mw, 0.5 * np.sqrt(sw)
+    assert np.any(np.abs(move) > bound) and np.any(np.abs(move) < bound)  # both cases occur (kernel)
+    np.testing.assert_allclose(capped[1], free[1], rtol=1e-12)
+    np.testing.assert_allclose(capped[3], free[3], rtol=1e-12)
 
 
 # ---------------------------------------------------------------- classification (Appendix C)
@@ -271,12 +507,36 @@ def test_classification_trains_on_digits():
     assert np.isfinite(out["entropy"]).all()
 
 
+def test_conv_network_trains_on_digits_and_round_trips(tmp_path):
+    """A TAGI CNN (conv, average pooling, flatten, dense, the tree head) learns the digits as
+    8x8 images, and its `.keras` file predicts the same numbers."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).reshape(-1, 8, 8, 1).astype("float32")
+    units, _ = tagi.tree(10)
+    network = keras.Sequential([keras.Input((8, 8, 1)), kd.Conv2DDVI(16, 3, padding="same", activation="relu"),
+                                kd.AveragePooling2DDVI(2), kd.FlattenDVI(), kd.DenseDiagDVI(64, "relu"),
+                                kd.DenseDiagDVI(units)])
+    model = kd.TAGIModel(network, observation_noise=0.3, classes=10, seed=0)
+    model.compile()
+    model.fit(x[:1400], y[:1400], batch_size=10, epochs=3, verbose=0)
+    out = kd.predict(model, x[1400:])
+    assert np.mean(out["label"] == y[1400:]) > 0.8  # (chance: 0.1; without the cap it stays there)
+    path = str(tmp_path / "tagi_cnn.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.max_step == "auto" and loaded._max_step == 1.0  # conv networks cap their updates
+    np.testing.assert_allclose(loaded.predict(x[1400:], verbose=0), model.predict(x[1400:], verbose=0),
+                               rtol=1e-6, atol=1e-7)
+
+
 def test_misuse_is_refused():
     dense = keras.Sequential([keras.Input((3,)), kd.DenseDVI(1)])
     with pytest.raises(ValueError, match="DenseDiagDVI"):
         kd.TAGIModel(dense)
     relu_out = keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(2, "relu")])
-    with pytest.raises(ValueError, match="must be linear"):
+    with pytest.raises(ValueError, match="must be a linear"):
         kd.TAGIModel(relu_out)
     heaviside = keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(4, "heaviside"), kd.DenseDiagDVI(1)])
     with pytest.raises(ValueError, match="Heaviside"):
@@ -291,6 +551,23 @@ def test_misuse_is_refused():
         kd.TAGIModel(ok, observation_noise=0.0)
     with pytest.raises(ValueError, match="forward"):
         kd.TAGIModel(ok, forward="exact")
+    image = keras.Input((6, 6, 1))
+    conv_max = keras.Sequential([image, kd.Conv2DDVI(2, 3), kd.MaxPooling2DDVI(2, activation="relu"),
+                                 kd.FlattenDVI(), kd.DenseDiagDVI(1)])
+    with pytest.raises(ValueError, match="AveragePooling2DDVI"):
+        kd.TAGIModel(conv_max)
+    strided = keras.Sequential([image, kd.Conv2DDVI(2, 3, strides=2), kd.FlattenDVI(), kd.DenseDiagDVI(1)])
+    with pytest.raises(ValueError, match="strides"):
+        kd.TAGIModel(strided)
+    overlapping = keras.Sequential([image, kd.Conv2DDVI(2, 3), kd.AveragePooling2DDVI(2, strides=1),
+                                    kd.FlattenDVI(), kd.DenseDiagDVI(1)])
+    with pytest.raises(ValueError, match="pool_size"):
+        kd.TAGIModel(overlapping)
+    conv_last = keras.Sequential([image, kd.Conv2DDVI(1, 6)])
+    with pytest.raises(ValueError, match="linear DenseDiagDVI"):
+        kd.TAGIModel(conv_last)
+    with pytest.raises(ValueError, match="max_step"):
+        kd.TAGIModel(ok, max_step=0.0)
     model = kd.TAGIModel(ok)
     with pytest.raises(ValueError, match="optimizer"):
         model.compile(optimizer="adam")
