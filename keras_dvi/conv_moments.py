@@ -276,8 +276,9 @@ def global_average_pool_moments(mean, variance, shared):
     axes = spatial_axes(mean)
     positions = _positions(mean)
     residual = ops.maximum(variance - ops.square(shared), 0.0)
-    shared_p = ops.mean(shared, axis=axes)
-    return ops.mean(mean, axis=axes), ops.sum(residual, axis=axes) / ops.square(positions) + ops.square(shared_p)
+    # (sums over the count: Keras' JAX `ops.mean` computes float64 inputs in float32)
+    shared_p = ops.sum(shared, axis=axes) / positions
+    return ops.sum(mean, axis=axes) / positions, ops.sum(residual, axis=axes) / ops.square(positions) + ops.square(shared_p)
 
 
 def flatten_moments(mean, variance):
