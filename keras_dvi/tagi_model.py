@@ -62,8 +62,8 @@ class TAGIModel(keras.Model):
             the authors' cuTAGI caps its updates the same way). `"auto"`: no cap for dense
             networks (the paper's updates), 1 for networks with conv layers, whose shared
             kernels sum one term per position and example from one prior and otherwise
-            overshoot (measured: a 16-filter CNN on the digits went to chance level without the
-            cap, 0.90 accuracy with it; BENCHMARKS.md).
+            overshoot (measured on the digits: without the cap a 16-filter CNN stayed at chance
+            in one run of three, with it every run trained; BENCHMARKS.md).
         **kwargs: base `keras.Model` arguments (`name`).
 
     Outputs:

@@ -490,6 +490,26 @@ def test_fit_evaluate_predict_save_and_load(tmp_path):
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # compiled on load, trains on
 
 
+def test_fit_takes_tf_data_and_callbacks():
+    """`fit` on a `tf.data` pipeline with Keras callbacks: early stopping stops, restores the
+    best posterior (the validation `nll` it monitors is TAGI's), and `steps_per_execution` runs."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(160, 3)).astype("float32")
+    y = (x @ np.array([[1.0], [-0.5], [0.2]]) + 0.1 * rng.normal(size=(160, 1))).astype("float32")
+    network = keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(16, "relu"), kd.DenseDiagDVI(1)])
+    model = kd.TAGIModel(network, observation_noise=0.1, seed=0)
+    model.compile(steps_per_execution=4)
+    data = tf.data.Dataset.from_tensor_slices((x[:120], y[:120])).shuffle(120, seed=0).batch(8)
+    stop = keras.callbacks.EarlyStopping(monitor="val_nll", mode="min", patience=3, restore_best_weights=True)
+    history = model.fit(data, validation_data=(x[120:], y[120:]), epochs=50, verbose=0, callbacks=[stop])
+    val = history.history["val_nll"]
+    assert len(val) < 50 and min(val) < val[0] - 0.2  # learned, then stopped
+    np.testing.assert_allclose(model.evaluate(x[120:], y[120:], verbose=0, return_dict=True)["nll"], min(val),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_classification_trains_on_digits():
     from sklearn.datasets import load_digits
 
