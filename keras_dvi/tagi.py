@@ -24,6 +24,13 @@ input activations `a` (means `ma`, variances `sa`) to pre-activations `z = a W +
   `ds_k = J_k^2 sum_i mw_ki^2 ds+_i`; with `Cov(z+_i, w_ki) = sw_ki ma_k`, the parameters
   get `mw += sw * sum_batch ma dm+`, `sw += sw^2 * sum_batch ma^2 ds+` (biases: `ma = 1`).
   A batch is propagated through one prior and its deltas are summed (the paper's batch rule).
+* **Convolutions** (`Conv`): every output position is a dense unit on its input patch with
+  the shared kernel, so the same equations hold per position: the forward moments are
+  convolutions, the deltas go down through the transposed convolution, and a kernel's update
+  sums the terms of every position and example (the authors' conv rule). Average pooling,
+  global average pooling and flatten are linear maps: means through the map, variances
+  through its square, deltas through their adjoints. A network is a list of such steps
+  (`forward`, `update`).
 
 Classification (Appendix C): the classes are leaves of a binary tree of `H = ceil(log2 K)`
 levels; each of its internal nodes is one output unit (11 for MNIST's 10 classes), and an
