@@ -50,6 +50,9 @@ VALIDATION = 0.05
 #: The paper's Table 2: test error (%) after one epoch, and early-stopped (mean +- sd).
 PUBLISHED = {(100, 1): (3.39, 2.29, 0.06), (100, 10): (3.56, 2.45, 0.20),
              (800, 1): (3.15, 1.54, 0.07), (800, 10): (3.10, 1.53, 0.07)}
+#: ... and its standard deviations of the one-epoch errors, its early-stopped epochs e and sigma_V.
+PUBLISHED_DETAILS = {(100, 1): (0.17, "21 +- 12", 0.2), (100, 10): (0.2, "20 +- 12", 0.4),
+                     (800, 1): (0.2, "14 +- 9", 0.1), (800, 10): (0.2, "15 +- 6", 0.4)}
 CNN = "cnn"
 
 
@@ -196,8 +199,8 @@ def summary_markdown(folder):
     for path in sorted(glob.glob(os.path.join(folder, "w*_b*_e*", "seed_*.json"))):
         with open(path) as f:
             records.append(json.load(f))
-    lines = ["| network | batch | sigma_V | seeds | epochs (max) | error after 1 epoch (%) | early-stopped error (%) | "
-             "test NLL | best epoch | s/epoch | paper: 1 epoch / early-stopped |", "|" + "---|" * 11]
+    lines = ["| network | batch | sigma_V | seeds | epochs (max, patience) | error after 1 epoch (%) | early-stopped error (%) | "
+             "test NLL | best epoch | s/epoch | paper: 1 epoch / early-stopped (e; sigma_V) |", "|" + "---|" * 11]
     groups = {}
     for r in records:
         groups.setdefault((r["width"], r["batch"], r["max_epochs"], r["forward"]), []).append(r)
@@ -208,12 +211,14 @@ def summary_markdown(folder):
                 return f"{v[0]:.{digits}f}"
             return f"{v.mean():.{digits}f} +- {v.std(ddof=1) / np.sqrt(len(v)):.{digits}f}"
         one, stopped, sd = PUBLISHED.get((width, batch), ("-", "-", "-"))
+        one_sd, epochs, paper_noise = PUBLISHED_DETAILS.get((width, batch), ("-", "-", "-"))
         name = ("CNN 32-64-150-11" if width == CNN else f"784-{width}-{width}-11") + \
             ("" if forward == "linearized" else f" ({forward})")
         lines.append(f"| {name} | {batch} | {rs[0]['observation_noise']} | {len(rs)} | "
-                     f"{np.mean([r['epochs_run'] for r in rs]):.1f} ({max_epochs}) | {stat('one_epoch_test_error')} | "
+                     f"{np.mean([r['epochs_run'] for r in rs]):.1f} ({max_epochs}, {rs[0]['patience']}) | {stat('one_epoch_test_error')} | "
                      f"{stat('test_error')} | {stat('test_nll', 3)} | {np.mean([r['best_epoch'] for r in rs]):.1f} | "
-                     f"{np.mean([r['seconds_per_epoch'] for r in rs]):.0f} | {one} / {stopped} +- {sd} |")
+                     f"{np.mean([r['seconds_per_epoch'] for r in rs]):.0f} | {one} +- {one_sd} / {stopped} +- {sd} "
+                     f"({epochs}; {paper_noise}) |")
     for timing_path in sorted(glob.glob(os.path.join(folder, "timing*.json"))):
         with open(timing_path) as f:
             t = json.load(f)
