@@ -163,3 +163,25 @@ def test_the_convergence_rule_never_stops_inside_the_warm_up_or_just_after(monke
     # 30-35 and stops after 5 without a gain (without the wrapper it would stop after check 6).
     assert float(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length)) == 120
     assert steps == 35 * 4
+
+
+def test_tagi_chooses_the_noise_by_cross_validation_on_training_rows_only(folder, tmp_path, monkeypatch):
+    """`--methods tagi`: sigma_V is the grid value with the best 5-fold validation
+    log-likelihood on the training rows (the test rows never enter the choice), the record
+    keeps the grid's scores, and the linearised and moment runs are cached apart."""
+    monkeypatch.setattr(uci, "TAGI_EPOCHS", 2)
+    monkeypatch.setattr(uci, "TAGI_NOISES", (0.1, 1.0))
+    results = str(tmp_path / "results")
+    seen = []
+    real = uci.tagi_scores
+    monkeypatch.setattr(uci, "tagi_scores", lambda model, x, y, s: seen.append(len(x)) or real(model, x, y, s))
+    uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1"])
+    with open(os.path.join(results, os.path.basename(folder), "tagi", "split_0.json")) as f:
+        record = json.load(f)
+    assert set(record["cv_ll"]) == {"0.1", "1.0"}
+    assert record["observation_noise"] == float(max(record["cv_ll"], key=record["cv_ll"].get))
+    assert np.isfinite(record["test_ll"]) and record["forward"] == "linearized"
+    assert seen == [5] * 10 + [5]  # 2 noises x 5 folds of the 25 training rows, then the 5 test rows
+    uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1",
+              "--tagi-forward", "moments"])
+    assert os.path.exists(os.path.join(results, os.path.basename(folder), "tagi_moments", "split_0.json"))
