@@ -212,13 +212,15 @@ def summary_markdown(folder):
             return f"{v.mean():.{digits}f} +- {v.std(ddof=1) / np.sqrt(len(v)):.{digits}f}"
         one, stopped, sd = PUBLISHED.get((width, batch), ("-", "-", "-"))
         one_sd, epochs, paper_noise = PUBLISHED_DETAILS.get((width, batch), ("-", "-", "-"))
+        paper = (f"{one} +- {one_sd} / {stopped} +- {sd} ({epochs}; {paper_noise})" if (width, batch) in PUBLISHED
+                 else "cuTAGI's example (max pooling, batches of 16): 2.07 / 0.65 after 50 epochs" if width == CNN
+                 else "-")
         name = ("CNN 32-64-150-11" if width == CNN else f"784-{width}-{width}-11") + \
             ("" if forward == "linearized" else f" ({forward})")
         lines.append(f"| {name} | {batch} | {rs[0]['observation_noise']} | {len(rs)} | "
                      f"{np.mean([r['epochs_run'] for r in rs]):.1f} ({max_epochs}, {rs[0]['patience']}) | {stat('one_epoch_test_error')} | "
                      f"{stat('test_error')} | {stat('test_nll', 3)} | {np.mean([r['best_epoch'] for r in rs]):.1f} | "
-                     f"{np.mean([r['seconds_per_epoch'] for r in rs]):.0f} | {one} +- {one_sd} / {stopped} +- {sd} "
-                     f"({epochs}; {paper_noise}) |")
+                     f"{np.mean([r['seconds_per_epoch'] for r in rs]):.0f} | {paper} |")
     for timing_path in sorted(glob.glob(os.path.join(folder, "timing*.json"))):
         with open(timing_path) as f:
             t = json.load(f)
