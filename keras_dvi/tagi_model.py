@@ -119,6 +119,7 @@ class TAGIModel(keras.Model):
                 )
             self._paths = paths
         if not (max_step is None or max_step == "auto" or (isinstance(max_step, (int, float))
+                                                          and not isinstance(max_step, bool)
                                                           and 0.0 < float(max_step) < math.inf)):
             raise ValueError(f"Argument `max_step` must be 'auto', None or positive and finite; received {max_step!r}.")
         self.max_step = max_step

@@ -586,8 +586,9 @@ def test_misuse_is_refused():
     conv_last = keras.Sequential([image, kd.Conv2DDVI(1, 6)])
     with pytest.raises(ValueError, match="linear DenseDiagDVI"):
         kd.TAGIModel(conv_last)
-    with pytest.raises(ValueError, match="max_step"):
-        kd.TAGIModel(ok, max_step=0.0)
+    for bad in (0.0, float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="max_step"):
+            kd.TAGIModel(ok, max_step=bad)
     model = kd.TAGIModel(ok)
     with pytest.raises(ValueError, match="optimizer"):
         model.compile(optimizer="adam")
