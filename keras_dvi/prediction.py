@@ -68,7 +68,9 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
     >>> out = keras_dvi.predict(model, x_test)
     >>> out["mean"], out["std"], out["lower"], out["upper"]
     """
-    if getattr(model, "predictive", None) is not None and type(model).__name__ == "TAGIModel":
+    from keras_dvi.tagi_model import TAGIModel  # (here: tagi_model imports the layers)
+
+    if isinstance(model, TAGIModel):  # its own predictive distribution (fixed noise, the tree)
         return model.predictive(model.predict(x, batch_size=batch_size, verbose=0), level=level)
     task = _task(model, task)
     quantile = predictive.central_quantile(level) if task == REGRESSION else None  # checks `level`
