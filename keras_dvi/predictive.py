@@ -52,6 +52,12 @@ def _targets(y, like):
     return validation.regression_targets(y, like.shape[-1], "keras_dvi.predictive")
 
 
+def gaussian_log_density(y, mean, variance):
+    """Elementwise `log N(y; mean, variance)`: the one Gaussian log density every predictive
+    score here (and `TAGIModel`'s) is built from."""
+    return -0.5 * (_LOG_2PI + ops.log(variance) + ops.square(y - mean) / variance)
+
+
 def log_predictive_density(y_pred, y, y_scale=1.0):
     """Log density of targets under the Gaussian predictive (eq. 9), summed over dimensions.
 
@@ -66,8 +72,7 @@ def log_predictive_density(y_pred, y, y_scale=1.0):
     """
     predictive = regression_moments(y_pred)
     y = _targets(y, predictive["mean"])
-    var = predictive["variance"]
-    log_density = -0.5 * (_LOG_2PI + ops.log(var) + ops.square(y - predictive["mean"]) / var)
+    log_density = gaussian_log_density(y, predictive["mean"], predictive["variance"])
     return ops.sum(log_density, axis=-1) - y.shape[-1] * math.log(y_scale)
 
 

@@ -209,8 +209,7 @@ class TAGIModel(keras.Model):
             correct = ops.cast(ops.argmax(probs, axis=-1) == labels, mz.dtype)
             return nll, correct
         y = ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz))
-        total = sz + self.observation_noise**2
-        nll = 0.5 * (ops.log(2.0 * math.pi * total) + ops.square(y - mz) / total)
+        nll = -predictive.gaussian_log_density(y, mz, sz + self.observation_noise**2)
         return ops.sum(nll, axis=-1), None
 
     def _step(self, values, x, y):

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -37,13 +38,38 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "heavy: long-running (left out of the JAX backend run)")
 
 
+@pytest.hookimpl(trylast=True)  # after `-k` / `-m` deselection
 def pytest_collection_modifyitems(config, items):
     if keras.backend.backend() == "tensorflow":
+        _start_the_jax_suite_early(config, items)
         return
     skip = pytest.mark.skip(reason=f"TensorFlow-only feature; backend is {keras.backend.backend()}")
     for item in items:
         if "tensorflow_only" in item.keywords:
             item.add_marker(skip)
+
+
+def _start_the_jax_suite_early(config, items):
+    """When `test_backends.py`'s JAX run is selected, starts its subprocess now and moves the
+    test last: the JAX run overlaps the rest of the suite instead of following it."""
+    from tests import test_backends
+
+    selected = [item for item in items if item.nodeid == test_backends.JAX_SUITE_TEST]
+    if not selected or config.option.collectonly or importlib.util.find_spec("jax") is None:
+        return  # (without JAX the test skips itself)
+    items.remove(selected[0])
+    items.append(selected[0])
+    config.stash[test_backends.JAX_SUITE_KEY] = test_backends.start_jax_suite()
+
+
+def pytest_unconfigure(config):
+    from tests import test_backends
+
+    started = config.stash.get(test_backends.JAX_SUITE_KEY, None)
+    if started and started[0].poll() is None:  # the session ended before the test waited for it
+        started[0].kill()
+        started[0].wait()
+        os.remove(started[1])
 
 
 def gradients(fn, arrays):

@@ -28,42 +28,70 @@ def _jax_env(x64):
     return env
 
 
-def test_suite_runs_on_the_jax_backend():
+#: The cross-section of the suite that runs again on JAX (`JAX_ENABLE_X64=1`).
+JAX_SUITE = [
+    # layers: every layer type end to end, fit, save/load, edge gradients (float64 included)
+    "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-relu-paper]",
+    "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-heaviside-paper]",
+    "tests/test_layers.py::test_network_gradients_finite_at_edges[float32-relu-exact]",
+    "tests/test_layers.py::test_trains_with_model_fit_on_packed_outputs",
+    "tests/test_layers.py::test_saved_model_predicts_the_same",
+    # losses and moments at their numerical edges (values and gradients)
+    "tests/test_objective.py::test_losses_finite_at_extreme_values",
+    "tests/test_moments.py::test_owens_t_gradients_match_closed_form",
+    "tests/test_moments.py::test_cross_covariance_finite_values_and_gradients_at_edges",
+    # global inducing: maths, Bayesian linear regression, training
+    "tests/test_global_inducing.py::test_posterior_moments_match_dense_inverse",
+    "tests/test_global_inducing.py::test_monte_carlo_kl_averages_to_closed_form",
+    "tests/test_global_inducing.py::test_top_layer_is_bayesian_linear_regression_on_propagated_features",
+    "tests/test_global_inducing.py::test_per_unit_precision_and_classification_train",
+    "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
+    # the objective: KL schedule and weight, logs, every kind of model
+    "tests/test_training.py",
+    # conv layers: first layer exact against Monte Carlo, the MCVI kernels, fit / logs /
+    # warm-up / safe-mode round trip
+    "tests/test_conv.py::test_first_conv_layer_moments_are_exact[relu-2-kwargs1]",
+    "tests/test_conv.py::test_mcvi_conv_samples_match_the_closed_form",
+    "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
+    # TAGI: exactness, the paper's equations, the toy, fit / save / load (stateless steps)
+    "tests/test_tagi.py",
+]
+JAX_SUITE_TEST = "tests/test_backends.py::test_suite_runs_on_the_jax_backend"
+JAX_SUITE_TIMEOUT = 1500  # seconds
+#: `(process, log path)` of the JAX run that `conftest.py` started at collection.
+JAX_SUITE_KEY = pytest.StashKey()
+
+
+def start_jax_suite():
+    """Starts the JAX cross-section in a subprocess, its output to a file: `(process, path)`.
+
+    `conftest.py` calls this when the test below is collected and moves the test to the end
+    of the session, so the JAX run overlaps the rest of the suite (most tests use one core)."""
+    import tempfile
+
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy", *JAX_SUITE]
+    out = tempfile.NamedTemporaryFile(prefix="keras_dvi_jax_suite_", suffix=".log", delete=False)
+    process = subprocess.Popen(command, cwd=ROOT, env=_jax_env(x64=True), stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    return process, out.name
+
+
+def test_suite_runs_on_the_jax_backend(request):
     pytest.importorskip("jax")
-    env = _jax_env(x64=True)
-    command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not heavy",
-        # layers: every layer type end to end, fit, save/load, edge gradients (float64 included)
-        "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-relu-paper]",
-        "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-heaviside-paper]",
-        "tests/test_layers.py::test_network_gradients_finite_at_edges[float32-relu-exact]",
-        "tests/test_layers.py::test_trains_with_model_fit_on_packed_outputs",
-        "tests/test_layers.py::test_saved_model_predicts_the_same",
-        # losses and moments at their numerical edges (values and gradients)
-        "tests/test_objective.py::test_losses_finite_at_extreme_values",
-        "tests/test_moments.py::test_owens_t_gradients_match_closed_form",
-        "tests/test_moments.py::test_cross_covariance_finite_values_and_gradients_at_edges",
-        # global inducing: maths, Bayesian linear regression, training
-        "tests/test_global_inducing.py::test_posterior_moments_match_dense_inverse",
-        "tests/test_global_inducing.py::test_monte_carlo_kl_averages_to_closed_form",
-        "tests/test_global_inducing.py::test_top_layer_is_bayesian_linear_regression_on_propagated_features",
-        "tests/test_global_inducing.py::test_per_unit_precision_and_classification_train",
-        "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
-        # the objective: KL schedule and weight, logs, every kind of model
-        "tests/test_training.py",
-        # conv layers: first layer exact against Monte Carlo, the MCVI kernels, fit / logs /
-        # warm-up / safe-mode round trip
-        "tests/test_conv.py::test_first_conv_layer_moments_are_exact[relu-2-kwargs1]",
-        "tests/test_conv.py::test_mcvi_conv_samples_match_the_closed_form",
-        "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
-        # TAGI: exactness, the paper's equations, the toy, fit / save / load (stateless steps)
-        "tests/test_tagi.py",
-    ]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    tail = result.stdout[-6000:] + result.stderr[-2000:]
-    assert result.returncode == 0, tail
-    assert "passed" in result.stdout and " failed" not in result.stdout, tail
-    print(result.stdout.strip().splitlines()[-1])
+    started = request.config.stash.get(JAX_SUITE_KEY, None)
+    process, path = started if started else start_jax_suite()
+    try:
+        returncode = process.wait(timeout=JAX_SUITE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    with open(path) as f:
+        output = f.read()
+    os.remove(path)
+    tail = output[-8000:]
+    assert returncode == 0, tail
+    assert "passed" in output and " failed" not in output, tail
+    print(output.strip().splitlines()[-1])
 
 
 def _small_network():

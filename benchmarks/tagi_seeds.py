@@ -1,0 +1,58 @@
+"""How much TAGI's fit of the training rows depends on the seed (issue 24, yacht split 4).
+
+Trains `TAGIModel` with the UCI protocol (1 x 50 ReLU, batches of 10, 40 epochs, the paper's
+initialisation) at one `sigma_V`, once per seed (the seed draws the initial means and the
+batch order), and prints the log-likelihood and RMSE of the *training* rows (original units)
+for each `max_step`. Test rows are never read: this separates an unstable fit from test rows
+unlike the training rows.
+
+    python benchmarks/tagi_seeds.py --data ../shared/uci/yacht --splits 4 3 --noise 0.05 --seeds 0 1 2 3 4 5
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import uci  # noqa: E402 - the UCI benchmark's data layout and scores
+
+
+def fit(x, y, noise, seed, max_step):
+    import keras
+
+    import keras_dvi as kd
+
+    keras.utils.set_random_seed(seed)
+    network = keras.Sequential([keras.Input((x.shape[1],)), kd.DenseDiagDVI(50, "relu"), kd.DenseDiagDVI(1)])
+    model = kd.TAGIModel(network, observation_noise=noise, seed=seed, max_step=max_step)
+    model.compile(steps_per_execution=100)
+    model.fit(x, y, batch_size=uci.TAGI_BATCH, epochs=uci.TAGI_EPOCHS, verbose=0)
+    return model
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a folder in the standard UCI layout")
+    parser.add_argument("--splits", nargs="+", type=int, default=[0])
+    parser.add_argument("--noise", type=float, required=True, help="sigma_V (standardised targets)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4, 5])
+    parser.add_argument("--max-steps", nargs="+", default=["none", "2", "1"],
+                        help="TAGIModel max_step values ('none': the paper's uncapped update)")
+    args = parser.parse_args(argv)
+    print("| split | max_step | training LL per seed | training RMSE per seed |")
+    print("|---|---|---|---|")
+    for split in args.splits:
+        train, _ = uci.load_split(args.data, split)
+        data = uci.normalise(train, train)  # the training rows only
+        for label in args.max_steps:
+            max_step = None if label == "none" else float(label)
+            scores = np.array([uci.tagi_scores(fit(data["x"], data["y"], args.noise, seed, max_step),
+                                               data["x"], data["y"], data["y_std"]) for seed in args.seeds])
+            print(f"| {split} | {label} | {' '.join(f'{v:.2f}' for v in scores[:, 0])} | "
+                  f"{' '.join(f'{v:.2f}' for v in scores[:, 1])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
