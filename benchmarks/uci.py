@@ -268,9 +268,15 @@ def tagi_model(input_dim, num_train, noise, seed, args):
 
     width = 100 if num_train > 40000 else 50
     network = keras.Sequential([keras.Input((input_dim,)), kd.DenseDiagDVI(width, "relu"), kd.DenseDiagDVI(1)])
-    model = kd.TAGIModel(network, observation_noise=noise, forward=args.tagi_forward, seed=seed)
+    model = kd.TAGIModel(network, observation_noise=noise, forward=args.tagi_forward, seed=seed,
+                         initialize=tagi_initialize(args.tagi_init))
     model.compile(steps_per_execution=100)
     return model
+
+
+def tagi_initialize(label):
+    """`TAGIModel`'s `initialize` from `--tagi-init`: "xavier", "he" or a number c (c / fan_in)."""
+    return label if label in ("xavier", "he") else float(label)
 
 
 def tagi_fit(x, y, noise, seed, args):
@@ -312,7 +318,8 @@ def run_tagi(folder, split, data, args):
     return {"dataset": os.path.basename(os.path.normpath(folder)), "method": "tagi", "split": split,
             "test_ll": ll, "test_rmse": rmse, "seconds": time.time() - start, "num_train": len(x),
             "observation_noise": noise, "cv_ll": {str(k): v for k, v in cv.items()}, "kl_warmup": 0,
-            "recipe": args.recipe, "forward": args.tagi_forward, **({"validation": True} if args.validation else {})}
+            "recipe": args.recipe, "forward": args.tagi_forward, "init": args.tagi_init,
+            **({"validation": True} if args.validation else {})}
 
 
 def kl_warmup_steps(method, args):
@@ -360,6 +367,9 @@ def _check_recipe(record, path, args):
     if record.get("recipe", "fixed") != args.recipe:
         raise SystemExit(f"{path} was computed with --recipe {record.get('recipe', 'fixed')}, not "
                          f"{args.recipe}: pass --results with another folder.")
+    if record["method"] == "tagi" and record.get("init", "xavier") != args.tagi_init:
+        raise SystemExit(f"{path} was computed with --tagi-init {record.get('init', 'xavier')}, not "
+                         f"{args.tagi_init}: pass --results with another folder.")
     cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(record["method"], args)
     if wanted is None:
         return
@@ -485,6 +495,9 @@ def make_parser():
                         help="GlobalInducingDense precision (per_unit: App. K, about 5x slower)")
     parser.add_argument("--tagi-forward", choices=("linearized", "moments"), default="linearized",
                         help="tagi: TAGIModel's forward (the paper's linearised activations, or exact moments)")
+    parser.add_argument("--tagi-init", default="xavier",
+                        help="tagi: TAGIModel's initialize: xavier (the paper), he (1 / fan_in) or a number c "
+                             "(c / fan_in; the authors' UCI code: 0.25)")
     parser.add_argument("--max-rows", type=int, default=None, help="subsample training rows (tests)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--summary-only", action="store_true", help="summarise the cache, run nothing")

@@ -53,9 +53,12 @@ class TAGIModel(keras.Model):
         forward: `"linearized"` (default, the paper: activations linearised at the mean) or
             `"moments"` (keras-dvi's exact Gaussian moments of the activations, with the slope
             `E[f'(z)]` from Stein's lemma).
-        initialize: whether to set the layers' posteriors to the paper's prior: weight
-            variances by Xavier's rule `2 / (fan_in + fan_out)`, bias variances 0.01, means
-            drawn from the prior (`seed`). `False` keeps the layers' current posteriors.
+        initialize: the prior the layers' posteriors start from: bias variances 0.01 and
+            means drawn from the prior (`seed`), with weight variances by `True` / `"xavier"`
+            (default, the paper's): Xavier's rule `2 / (fan_in + fan_out)`; `"he"`:
+            `1 / fan_in` (the authors' MNIST code and cuTAGI); a positive number `c`:
+            `c / fan_in` (the authors' UCI code uses 0.25). `False` keeps the layers' current
+            posteriors (a `.keras` file loads that way).
         seed: integer seed of the initial means.
         max_step: `"auto"` (default), `None` or a positive number: a weight's mean moves by at
             most `max_step` prior standard deviations per batch (`keras_dvi.tagi.parameter_update`;
@@ -126,19 +129,24 @@ class TAGIModel(keras.Model):
         has_conv = any(isinstance(step, tagi.Conv) for step in self._steps)
         self._max_step = (1.0 if has_conv else None) if max_step == "auto" else max_step
         self.seed = seed
-        if initialize:
-            self._initialize(seed)
+        scale = _weight_variance_scale(initialize)
+        if scale is not None:
+            self._initialize(seed, scale)
         self.nll_tracker = keras.metrics.Mean(name="nll")
         self.accuracy_tracker = keras.metrics.Mean(name="accuracy") if self.task == CLASSIFICATION else None
 
     # ---------------------------------------------------------------- set-up
 
-    def _initialize(self, seed):
+    def _initialize(self, seed, scale):
+        """The paper's prior; `scale`: `"xavier"` or `c` for weight variances `c / fan_in`."""
         rng = np.random.default_rng(seed)
         for layer in self._tagi_layers:
             shape = tuple(int(n) for n in layer.kernel_mean.shape)  # conv: (*kernel_size, in, filters)
-            taps = math.prod(shape[:-2])
-            var_w = 2.0 / (taps * (shape[-2] + shape[-1]))  # Glorot's fans, as Keras counts them
+            taps = math.prod(shape[:-2])  # fans as Keras counts them
+            if scale == "xavier":
+                var_w = 2.0 / (taps * (shape[-2] + shape[-1]))
+            else:
+                var_w = scale / (taps * shape[-2])
             mean_w = rng.normal(0.0, math.sqrt(var_w), shape)
             bias = {}
             if layer.use_bias:
@@ -332,6 +340,23 @@ def _step(layer):
     if isinstance(layer, GlobalAveragePoolingDVI):
         return tagi.GlobalAveragePool()
     return tagi.Flatten()
+
+
+def _weight_variance_scale(initialize):
+    """`None` (keep the posteriors), `"xavier"`, or `c` of weight variances `c / fan_in`."""
+    if initialize is False:
+        return None
+    if initialize is True or initialize == "xavier":
+        return "xavier"
+    if initialize == "he":
+        return 1.0
+    if (isinstance(initialize, (int, float)) and not isinstance(initialize, bool)
+            and 0.0 < float(initialize) < math.inf):
+        return float(initialize)
+    raise ValueError(
+        f"Argument `initialize` must be True or 'xavier' (the paper's prior), 'he' (weight variances "
+        f"1 / fan_in), a positive number c (c / fan_in) or False (keep the posteriors); received {initialize!r}."
+    )
 
 
 def _split_chain(network):

@@ -554,6 +554,35 @@ def test_conv_network_trains_on_digits_and_round_trips(tmp_path):
                                rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("initialize", [True, "xavier", "he", 0.25])
+def test_initialisation_draws_means_from_the_stated_prior(initialize):
+    """Weight variances by the named rule (fans as Keras counts them, conv taps included), bias
+    variances 0.01, and means drawn from that prior (sample variance within 4 standard errors)."""
+    network = keras.Sequential([keras.Input((10, 10, 3)), kd.Conv2DDVI(40, 3, activation="relu"),
+                                kd.FlattenDVI(), kd.DenseDiagDVI(200, "relu"), kd.DenseDiagDVI(1)])
+    kd.TAGIModel(network, seed=0, initialize=initialize)
+    weighted = [layer for layer in network.layers if layer.weights]
+    for layer, (fan_in, fan_out) in zip(weighted, [(27, 360), (2560, 200), (200, 1)], strict=True):
+        if initialize in (True, "xavier"):
+            want = 2.0 / (fan_in + fan_out)
+        else:
+            want = (1.0 if initialize == "he" else initialize) / fan_in
+        variance = _np(layer.kernel_variance)
+        np.testing.assert_allclose(variance, want, rtol=1e-5)
+        np.testing.assert_allclose(_np(layer.bias_variance), 0.01, rtol=1e-5)
+        means = _np(layer.kernel_mean).ravel()
+        assert abs(means.var() / want - 1.0) < 4.0 * np.sqrt(2.0 / means.size)
+        assert abs(means.mean()) < 4.0 * np.sqrt(want / means.size)
+
+
+def test_initialize_false_keeps_the_posteriors():
+    network = keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(4, "relu"), kd.DenseDiagDVI(1)])
+    before = [_np(v) for v in network.weights]
+    kd.TAGIModel(network, initialize=False)
+    for old, new in zip(before, network.weights):
+        np.testing.assert_array_equal(old, _np(new))
+
+
 def test_misuse_is_refused():
     dense = keras.Sequential([keras.Input((3,)), kd.DenseDVI(1)])
     with pytest.raises(ValueError, match="DenseDiagDVI"):
@@ -592,6 +621,9 @@ def test_misuse_is_refused():
     for bad in (0.0, float("inf"), True, "1"):
         with pytest.raises(ValueError, match="max_step"):
             kd.TAGIModel(ok, max_step=bad)
+    for bad in (0.0, -1.0, float("nan"), "glorot", None):
+        with pytest.raises(ValueError, match="initialize"):
+            kd.TAGIModel(ok, initialize=bad)
     model = kd.TAGIModel(ok)
     with pytest.raises(ValueError, match="optimizer"):
         model.compile(optimizer="adam")

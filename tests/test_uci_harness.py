@@ -185,3 +185,7 @@ def test_tagi_chooses_the_noise_by_cross_validation_on_training_rows_only(folder
     uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1",
               "--tagi-forward", "moments"])
     assert os.path.exists(os.path.join(results, os.path.basename(folder), "tagi_moments", "split_0.json"))
+    with pytest.raises(SystemExit, match="tagi-init"):  # another prior is never mixed into the cache
+        uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1",
+                  "--tagi-init", "0.25"])
+    assert uci.tagi_initialize("0.25") == 0.25 and uci.tagi_initialize("he") == "he"
