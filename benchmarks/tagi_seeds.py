@@ -19,19 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import uci  # noqa: E402 - the UCI benchmark's data layout and scores
 
 
-def fit(x, y, noise, seed, max_step):
-    import keras
-
-    import keras_dvi as kd
-
-    keras.utils.set_random_seed(seed)
-    network = keras.Sequential([keras.Input((x.shape[1],)), kd.DenseDiagDVI(50, "relu"), kd.DenseDiagDVI(1)])
-    model = kd.TAGIModel(network, observation_noise=noise, seed=seed, max_step=max_step)
-    model.compile(steps_per_execution=100)
-    model.fit(x, y, batch_size=uci.TAGI_BATCH, epochs=uci.TAGI_EPOCHS, verbose=0)
-    return model
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", required=True, help="a folder in the standard UCI layout")
@@ -41,6 +28,7 @@ def main(argv=None):
     parser.add_argument("--max-steps", nargs="+", default=["none", "2", "1"],
                         help="TAGIModel max_step values ('none': the paper's uncapped update)")
     args = parser.parse_args(argv)
+    protocol = uci.make_parser().parse_args([])  # the UCI benchmark's defaults (forward, prior)
     print("| split | max_step | training LL per seed | training RMSE per seed |")
     print("|---|---|---|---|")
     for split in args.splits:
@@ -48,7 +36,7 @@ def main(argv=None):
         data = uci.normalise(train, train)  # the training rows only
         for label in args.max_steps:
             max_step = None if label == "none" else float(label)
-            scores = np.array([uci.tagi_scores(fit(data["x"], data["y"], args.noise, seed, max_step),
+            scores = np.array([uci.tagi_scores(uci.tagi_fit(data["x"], data["y"], args.noise, seed, protocol, max_step),
                                                data["x"], data["y"], data["y_std"]) for seed in args.seeds])
             print(f"| {split} | {label} | {' '.join(f'{v:.2f}' for v in scores[:, 0])} | "
                   f"{' '.join(f'{v:.2f}' for v in scores[:, 1])} |", flush=True)

@@ -261,7 +261,7 @@ def run_one(folder, method, split, args):
     return record
 
 
-def tagi_model(input_dim, num_train, noise, seed, args):
+def tagi_model(input_dim, num_train, noise, seed, args, max_step="auto"):
     import keras
 
     import keras_dvi as kd
@@ -269,21 +269,21 @@ def tagi_model(input_dim, num_train, noise, seed, args):
     width = 100 if num_train > 40000 else 50
     network = keras.Sequential([keras.Input((input_dim,)), kd.DenseDiagDVI(width, "relu"), kd.DenseDiagDVI(1)])
     model = kd.TAGIModel(network, observation_noise=noise, forward=args.tagi_forward, seed=seed,
-                         initialize=tagi_initialize(args.tagi_init))
+                         initialize=args.tagi_init, max_step=max_step)
     model.compile(steps_per_execution=100)
     return model
 
 
 def tagi_initialize(label):
-    """`TAGIModel`'s `initialize` from `--tagi-init`: "xavier", "he" or a number c (c / fan_in)."""
+    """`--tagi-init` as `TAGIModel`'s `initialize`: "xavier", "he" or a number c (c / fan_in)."""
     return label if label in ("xavier", "he") else float(label)
 
 
-def tagi_fit(x, y, noise, seed, args):
+def tagi_fit(x, y, noise, seed, args, max_step="auto"):
     import keras
 
     keras.utils.set_random_seed(seed)
-    model = tagi_model(x.shape[1], len(x), noise, seed, args)
+    model = tagi_model(x.shape[1], len(x), noise, seed, args, max_step)
     model.fit(x, y, batch_size=TAGI_BATCH, epochs=TAGI_EPOCHS, verbose=0)
     return model
 
@@ -367,7 +367,7 @@ def _check_recipe(record, path, args):
     if record.get("recipe", "fixed") != args.recipe:
         raise SystemExit(f"{path} was computed with --recipe {record.get('recipe', 'fixed')}, not "
                          f"{args.recipe}: pass --results with another folder.")
-    if record["method"] == "tagi" and record.get("init", "xavier") != args.tagi_init:
+    if record["method"] == "tagi" and str(record.get("init", "xavier")) != str(args.tagi_init):
         raise SystemExit(f"{path} was computed with --tagi-init {record.get('init', 'xavier')}, not "
                          f"{args.tagi_init}: pass --results with another folder.")
     cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(record["method"], args)
@@ -495,7 +495,7 @@ def make_parser():
                         help="GlobalInducingDense precision (per_unit: App. K, about 5x slower)")
     parser.add_argument("--tagi-forward", choices=("linearized", "moments"), default="linearized",
                         help="tagi: TAGIModel's forward (the paper's linearised activations, or exact moments)")
-    parser.add_argument("--tagi-init", default="xavier",
+    parser.add_argument("--tagi-init", type=tagi_initialize, default="xavier",
                         help="tagi: TAGIModel's initialize: xavier (the paper), he (1 / fan_in) or a number c "
                              "(c / fan_in; the authors' UCI code: 0.25)")
     parser.add_argument("--max-rows", type=int, default=None, help="subsample training rows (tests)")

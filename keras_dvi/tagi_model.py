@@ -121,9 +121,7 @@ class TAGIModel(keras.Model):
                     f"(one per node of the classification tree, keras_dvi.tagi.tree({classes})); it has {units}."
                 )
             self._paths = paths
-        if not (max_step is None or max_step == "auto" or (isinstance(max_step, (int, float))
-                                                          and not isinstance(max_step, bool)
-                                                          and 0.0 < float(max_step) < math.inf)):
+        if not (max_step is None or max_step == "auto" or _is_positive_number(max_step)):
             raise ValueError(f"Argument `max_step` must be 'auto', None or positive and finite; received {max_step!r}.")
         self.max_step = max_step
         has_conv = any(isinstance(step, tagi.Conv) for step in self._steps)
@@ -342,6 +340,11 @@ def _step(layer):
     return tagi.Flatten()
 
 
+def _is_positive_number(value):
+    """A positive, finite number (a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 < float(value) < math.inf
+
+
 def _weight_variance_scale(initialize):
     """`None` (keep the posteriors), `"xavier"`, or `c` of weight variances `c / fan_in`."""
     if initialize is False:
@@ -350,8 +353,7 @@ def _weight_variance_scale(initialize):
         return "xavier"
     if initialize == "he":
         return 1.0
-    if (isinstance(initialize, (int, float)) and not isinstance(initialize, bool)
-            and 0.0 < float(initialize) < math.inf):
+    if _is_positive_number(initialize):
         return float(initialize)
     raise ValueError(
         f"Argument `initialize` must be True or 'xavier' (the paper's prior), 'he' (weight variances "
