@@ -117,7 +117,8 @@ def cnn_times(rounds, steps, batch):
     """Training-step times (`train_on_batch`, compiled) of the MNIST benchmark's CNN
     (`benchmarks/images.py`: conv 32 - pool - conv 64 - pool - dense 128 - 10) as a plain
     Keras CNN, keras-proba's Flipout CNN (when installed), keras-dvi's DVI CNN (ReLU on the
-    pooling layers, as advised, and on the conv layers) and the MCVI CNN (2 kernel draws), in
+    pooling layers, as advised, and on the conv layers), the MCVI CNN (2 kernel draws) and a
+    plain network doing only the DVI CNN's convolutions (the floor of its cost), in
     interleaved rounds: each round times `steps` steps of every network; the median over rounds
     is reported, in seconds per step."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -147,6 +148,22 @@ def cnn_times(rounds, steps, batch):
         return model
 
     builders["DVI CNN (ReLU on conv)"] = post_form
+
+    def convolutions_only():
+        # A plain network with the convolutions a DVI CNN computes and nothing else: the first
+        # conv layer's three (mean, variance, shared component; its input is data) and the
+        # second's four (the input variances through the squared kernel means as well), each
+        # with its gradient; plain pooling, flatten and dense layers after them.
+        x = keras.Input((28, 28, 1))
+        first = [keras.layers.MaxPooling2D(2)(keras.layers.Conv2D(32, 3, activation="relu")(x)) for _ in range(3)]
+        second = [keras.layers.Conv2D(64, 3)(h) for h in first + [first[0]]]
+        h = keras.layers.MaxPooling2D(2)(keras.layers.Activation("relu")(keras.layers.Add()(second)))
+        h = keras.layers.Dense(128, activation="relu")(keras.layers.Flatten()(h))
+        model = keras.Model(x, keras.layers.Dense(10)(h))
+        model.compile(keras.optimizers.Adam(1e-3), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    builders["plain CNN with the DVI CNN's 7 convolutions"] = convolutions_only
     builders["MCVI CNN (2 draws)"] = lambda: images.keras_dvi_cnn("mcvi", 10, 60000)
     import warnings
 

@@ -243,8 +243,7 @@ def activation_forward(mz, sz, activation, method="linearized"):
         else:
             mean = mz * slope
         return mean, ops.square(slope) * sz, slope
-    mean, var = moments.activation_moments(mz, sz, activation)
-    return mean, var, moments.expected_derivative(mz, sz, activation)
+    return moments.activation_moments_and_slope(mz, sz, activation)
 
 
 def observation_deltas(mz, sz, y, noise_variance, observed=None):

@@ -146,6 +146,69 @@ def test_gaussian_max_is_finite_at_the_edges(floatx):
     np.testing.assert_allclose(var, [0.0, 0.7, 1.0, 1.0], rtol=1e-4, atol=1e-3)
 
 
+def _pair_inputs(rng, n):
+    m1, m2 = rng.normal(0, 1, n), rng.normal(0, 1, n)
+    v1, v2 = rng.uniform(0.1, 2, n), rng.uniform(0.1, 2, n)
+    s1 = 0.9 * rng.uniform(-1, 1, n) * np.sqrt(v1)
+    s2 = 0.9 * rng.uniform(-1, 1, n) * np.sqrt(v2)
+    m2[:5] = m1[:5] + rng.normal(0, 1e-3, 5)  # near ties
+    m2[5:10] = m1[5:10] + 4 * np.sqrt(v1[5:10] + v2[5:10])  # one side (almost) always wins
+    return [m1, v1, s1, m2, v2, s2]
+
+
+def test_max_pair_gradient_matches_finite_differences():
+    """The hand-written gradient of Clark's step (`max_pair_moments`) against central finite
+    differences of its values in float64, for a random weighting of its three outputs; the
+    values are `gaussian_max`'s, with `s = s_1 w + s_2 (1 - w)`."""
+    rng = np.random.default_rng(3)
+    n = 40
+    args = _pair_inputs(rng, n)
+    weights = [rng.normal(size=n) for _ in range(3)]
+
+    def objective(*t):
+        return sum(ops.sum(out * w) for out, w in zip(conv_moments.max_pair_moments(*t), weights))
+
+    from tests.conftest import gradients
+
+    _, grads = gradients(objective, args)
+    h = 1e-6
+    for i, a in enumerate(args):
+        # every element moves at once: each output element depends on its own inputs only
+        plus = [x + h * (j == i) for j, x in enumerate(args)]
+        minus = [x - h * (j == i) for j, x in enumerate(args)]
+        outs_plus = [to_numpy(t) for t in conv_moments.max_pair_moments(*plus)]
+        outs_minus = [to_numpy(t) for t in conv_moments.max_pair_moments(*minus)]
+        finite = sum(w * (op - om) for w, op, om in zip(weights, outs_plus, outs_minus)) / (2 * h)
+        np.testing.assert_allclose(grads[i], finite, rtol=1e-6, atol=1e-7, err_msg=f"argument {i}")
+    mean, var, shared = (to_numpy(t) for t in conv_moments.max_pair_moments(*args))
+    m, v, w = (to_numpy(t) for t in conv_moments.gaussian_max(args[0], args[1], args[3], args[4], args[2] * args[5]))
+    np.testing.assert_allclose(mean, m, rtol=1e-12)
+    np.testing.assert_allclose(var, v, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(shared, args[2] * w + args[5] * (1 - w), rtol=1e-12, atol=1e-15)
+
+
+def test_max_pair_is_finite_at_the_edges(floatx):
+    """`max_pair_moments` at deterministic inputs, a padded side (mean -1e9), one variable
+    twice (`theta` floored) and a tie: finite values and gradients, the max in the
+    deterministic limit, and an unused output (its upstream gradient zero) is fine."""
+    m1 = np.array([0.3, -1e9, 2.0, 1.0, 0.0], floatx)
+    v1 = np.array([0.0, 0.0, 1.0, 1.0, 1.0], floatx)
+    s1 = np.array([0.0, 0.0, 0.5, 1.0, 0.0], floatx)
+    m2 = np.array([0.1, 0.5, -1e9, 1.0, 0.0], floatx)
+    v2 = np.array([0.0, 0.7, 0.0, 1.0, 1.0], floatx)
+    s2 = np.array([0.0, 0.3, 0.0, 1.0, 0.0], floatx)
+    from tests.conftest import gradients
+
+    for use in (slice(0, 3), slice(0, 2)):
+        value, grads = gradients(lambda *t: ops.sum(ops.stack(conv_moments.max_pair_moments(*t)[use])),
+                                 [m1, v1, s1, m2, v2, s2])
+        assert np.isfinite(value) and all(np.isfinite(g).all() for g in grads)
+    mean, var, shared = (to_numpy(t) for t in conv_moments.max_pair_moments(m1, v1, s1, m2, v2, s2))
+    np.testing.assert_allclose(mean, [0.3, 0.5, 2.0, 1.0, 1 / np.sqrt(np.pi)], rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(var, [0.0, 0.7, 1.0, 1.0, 1 - 1 / np.pi], rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(shared, [0.0, 0.3, 0.5, 1.0, 0.0], atol=1e-6)
+
+
 # --------------------------------------------------------------------------- pooling maths
 
 

@@ -134,6 +134,39 @@ def test_expected_derivative_matches_closed_form(activation):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside"])
+def test_moments_and_slope_gradients_match_finite_differences(activation):
+    """`activation_moments_and_slope` (ReLU's with its hand-written gradient) returns what
+    `activation_moments` and `expected_derivative` do, and its gradient matches central finite
+    differences in float64, in both tails and where the variance is tiny (`mu` clipped)."""
+    rng = np.random.default_rng(4)
+    variance = np.concatenate([rng.uniform(0.05, 3.0, 30), [1e-9, 1e-9, 0.5, 0.5]])
+    mean = np.concatenate([rng.normal(0, 2, 30), [0.3, -0.3, 12.0, -12.0]])
+    weights = rng.normal(size=(3, mean.size))
+
+    def objective(m, v):
+        outs = moments.activation_moments_and_slope(m, v, activation)
+        return sum(keras.ops.sum(o * w) for o, w in zip(outs, weights))
+
+    _, (g_mean, g_var) = gradients(objective, [mean, variance])
+    values = [to_numpy(t) for t in moments.activation_moments_and_slope(mean, variance, activation)]
+    expected = [*moments.activation_moments(mean, variance, activation), moments.expected_derivative(mean, variance, activation)]
+    for got, want in zip(values, expected):
+        np.testing.assert_allclose(got, to_numpy(want), rtol=1e-12, atol=1e-15)
+
+    def weighted(m, v):
+        return sum(w * to_numpy(o) for w, o in zip(weights, moments.activation_moments_and_slope(m, v, activation)))
+
+    h = 1e-7
+    fd_mean = (weighted(mean + h, variance) - weighted(mean - h, variance)) / (2 * h)
+    np.testing.assert_allclose(g_mean, fd_mean, rtol=1e-6, atol=1e-6)
+    hv = 1e-7 * variance
+    fd_var = (weighted(mean, variance + hv) - weighted(mean, variance - hv)) / (2 * hv)
+    live = variance > 1e-6  # below, the gradient through the floored sd is zero, as autodiff's
+    np.testing.assert_allclose(g_var[live], fd_var[live], rtol=1e-6, atol=1e-6)
+    assert np.isfinite(g_var).all() and np.isfinite(g_mean).all()
+
+
 def test_deterministic_limit_is_the_activation():
     means = keras.ops.convert_to_tensor([-40.0, -2.0, -1e-3, 1e-3, 2.0, 40.0])
     for variance in (0.0, 1e-12):

@@ -80,15 +80,15 @@ class SkipDVI(BayesianLayer):
             return mean + mean_d, var_d if self._diagonal_output else moments.diag_embed(var_d)
         if kind == packing.DIAGONAL:
             variance = second
-            mean_h, var_h = moments.activation_moments(mean, variance, self.activation)
+            mean_h, var_h, slope = moments.activation_moments_and_slope(mean, variance, self.activation)
             linear_inputs = {"variance": var_h}
         else:
-            variance = ops.diagonal(second, axis1=-2, axis2=-1)
             mean_h, cov_h = moments.activation_covariance(
                 mean, second, self.activation, self.covariance_approximation
             )
             linear_inputs = {"covariance": cov_h}
-        slope = moments.expected_derivative(mean, variance, self.activation)
+            variance = ops.diagonal(second, axis1=-2, axis2=-1)
+            slope = moments.expected_derivative(mean, variance, self.activation)
         mean_d, second_d, _ = moments.linear_moments(
             mean_h,
             kernel_mean,
