@@ -187,6 +187,31 @@ def test_max_pair_gradient_matches_finite_differences():
     np.testing.assert_allclose(shared, args[2] * w + args[5] * (1 - w), rtol=1e-12, atol=1e-15)
 
 
+def test_shared_component_clip_gradient_matches_finite_differences():
+    """`|s| <= sqrt(v)` (its hand-written gradient): the values of `clip`, and the gradient
+    against central finite differences on both sides of the bound; none to a floored `v`."""
+    rng = np.random.default_rng(5)
+    variance = np.concatenate([rng.uniform(0.1, 2.0, 20), [0.0, 0.0]])
+    shared = np.concatenate([rng.uniform(-2.0, 2.0, 20), [0.5, -0.5]]) * np.sqrt(np.maximum(variance, 0.3))
+    weights = rng.normal(size=variance.size)
+    from tests.conftest import gradients
+
+    value = to_numpy(conv_moments._clip_shared(shared, variance))  # noqa: SLF001
+    bound = np.sqrt(np.maximum(variance, 1e-12))
+    np.testing.assert_allclose(value, np.clip(shared, -bound, bound), rtol=1e-15)
+    assert (np.abs(shared) > bound).sum() >= 5 and (np.abs(shared) < bound).sum() >= 5  # both sides tested
+    _, (g_shared, g_var) = gradients(lambda s, v: ops.sum(conv_moments._clip_shared(s, v) * weights),  # noqa: SLF001
+                                     [shared, variance])
+    h = 1e-7
+    live = variance > 0
+    fd_shared = (np.clip(shared + h, -bound, bound) - np.clip(shared - h, -bound, bound)) / (2 * h) * weights
+    fd_var = (np.clip(shared, -np.sqrt(variance + h), np.sqrt(variance + h))
+              - np.clip(shared, -np.sqrt(np.maximum(variance - h, 0)), np.sqrt(np.maximum(variance - h, 0)))) / (2 * h) * weights
+    np.testing.assert_allclose(g_shared, fd_shared, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(g_var[live], fd_var[live], rtol=1e-6, atol=1e-8)
+    np.testing.assert_array_equal(g_var[~live], 0.0)
+
+
 def test_max_pair_is_finite_at_the_edges(floatx):
     """`max_pair_moments` at deterministic inputs, a padded side (mean -1e9), one variable
     twice (`theta` floored) and a tie: finite values and gradients, the max in the
