@@ -8,7 +8,8 @@ Protocol (the paper's, section 4.2):
   random 5% of the 60,000 training rows for validation; the network trains on the other 95%.
 * networks: 784-W-W-11 `DenseDiagDVI` layers, ReLU, W = 100 or 800 (`--widths`), the last
   layer one unit per node of the classification tree (Appendix C), trained by
-  `keras_dvi.TAGIModel` with the paper's initialisation, batches of 1 or 10 (`--batches`).
+  `keras_dvi.TAGIModel` with the paper's initialisation (`--init he`: the authors' MNIST
+  code's `1 / fan_in` prior instead; rows and caches kept apart), batches of 1 or 10 (`--batches`).
   `--widths cnn`: the CNN of the authors' cuTAGI MNIST example with average pooling (conv 32
   3x3 "same" ReLU, average pool 2, conv 64 3x3 "same" ReLU, average pool 2, dense 150 ReLU,
   11; `max_step="auto"` caps its updates; cuTAGI reports 2.07% error after one epoch with
@@ -44,6 +45,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cache import cached  # noqa: E402
 from images import load_mnist  # noqa: E402
+from uci import tagi_initialize  # noqa: E402
 
 NOISES = (0.1, 0.2, 0.3, 0.4)
 VALIDATION = 0.05
@@ -71,7 +73,7 @@ def split(x, y, seed):
     return (x[rows[held:]], y[rows[held:]]), (x[rows[:held]], y[rows[:held]])
 
 
-def tagi_model(width, noise, seed, forward="linearized"):
+def tagi_model(width, noise, seed, forward="linearized", initialize="xavier"):
     import keras
 
     import keras_dvi as kd
@@ -85,7 +87,7 @@ def tagi_model(width, noise, seed, forward="linearized"):
     else:
         body = [kd.DenseDiagDVI(width, "relu"), kd.DenseDiagDVI(width, "relu")]
     network = keras.Sequential([keras.Input((784,))] + body + [kd.DenseDiagDVI(units)])
-    model = kd.TAGIModel(network, observation_noise=noise, classes=10, seed=seed, forward=forward)
+    model = kd.TAGIModel(network, observation_noise=noise, classes=10, seed=seed, forward=forward, initialize=initialize)
     model.compile(steps_per_execution=200)
     return model
 
@@ -106,18 +108,18 @@ def choose_noise(width, batch, data, args):
     (x_fit, y_fit), (x_val, y_val) = split(x, y, 0)
     errors = {}
     for noise in args.noises:
-        model = tagi_model(width, noise, 0, args.forward)
+        model = tagi_model(width, noise, 0, args.forward, args.init)
         model.fit(x_fit, y_fit, batch_size=batch, epochs=1, verbose=0, shuffle=True)
         errors[str(noise)] = evaluate(model, x_val, y_val)[0]
     best = min(errors, key=errors.get)
     return {"width": width, "batch": batch, "observation_noise": float(best), "validation_error": errors,
-            "forward": args.forward}
+            "forward": args.forward, "init": str(args.init)}
 
 
 def run_seed(width, batch, seed, noise, data, args):
     x, y, x_test, y_test = data
     (x_fit, y_fit), (x_val, y_val) = split(x, y, seed)
-    model = tagi_model(width, noise, seed, args.forward)
+    model = tagi_model(width, noise, seed, args.forward, args.init)
     history, best, seconds = [], None, []
     for epoch in range(1, args.max_epochs + 1):
         start = time.time()
@@ -133,6 +135,7 @@ def run_seed(width, batch, seed, noise, data, args):
         if epoch - best[0] >= args.patience:
             break
     return {"width": width, "batch": batch, "seed": seed, "observation_noise": noise, "forward": args.forward,
+            "init": str(args.init),
             "max_epochs": args.max_epochs, "patience": args.patience, "epochs_run": len(history),
             "validation_errors": history, "one_epoch_test_error": first[0], "one_epoch_test_nll": first[1],
             "best_epoch": best[0], "test_error": best[2], "test_nll": best[3],
@@ -203,8 +206,8 @@ def summary_markdown(folder):
              "test NLL | best epoch | s/epoch | paper: 1 epoch / early-stopped (e; sigma_V) |", "|" + "---|" * 11]
     groups = {}
     for r in records:
-        groups.setdefault((r["width"], r["batch"], r["max_epochs"], r["forward"]), []).append(r)
-    for (width, batch, max_epochs, forward), rs in sorted(groups.items(), key=str):
+        groups.setdefault((r["width"], r["batch"], r["max_epochs"], r["forward"], r.get("init", "xavier")), []).append(r)
+    for (width, batch, max_epochs, forward, init), rs in sorted(groups.items(), key=str):
         def stat(key, digits=2):
             v = np.array([r[key] for r in rs], dtype=float)
             if len(v) == 1:
@@ -216,7 +219,7 @@ def summary_markdown(folder):
                  else "cuTAGI's example (max pooling, batches of 16): 2.07 / 0.65 after 50 epochs" if width == CNN
                  else "-")
         name = ("CNN 32-64-150-11" if width == CNN else f"784-{width}-{width}-11") + \
-            ("" if forward == "linearized" else f" ({forward})")
+            ("" if forward == "linearized" else f" ({forward})") + ("" if init == "xavier" else f" (prior {init})")
         lines.append(f"| {name} | {batch} | {rs[0]['observation_noise']} | {len(rs)} | "
                      f"{np.mean([r['epochs_run'] for r in rs]):.1f} ({max_epochs}, {rs[0]['patience']}) | {stat('one_epoch_test_error')} | "
                      f"{stat('test_error')} | {stat('test_nll', 3)} | {np.mean([r['best_epoch'] for r in rs]):.1f} | "
@@ -250,6 +253,9 @@ def make_parser():
     parser.add_argument("--max-epochs", type=int, default=20)
     parser.add_argument("--patience", type=int, default=3)
     parser.add_argument("--forward", default="linearized", choices=["linearized", "moments"])
+    parser.add_argument("--init", type=tagi_initialize, default="xavier",
+                        help='TAGIModel(initialize=...): "xavier" (the paper\'s), "he" (1 / fan_in, the authors\' MNIST '
+                             "code) or a number c (c / fan_in); caches and rows are kept apart by it")
     parser.add_argument("--timing", action="store_true", help="time TAGI, DVI and a plain network instead")
     parser.add_argument("--timing-rows", type=int, default=6000)
     parser.add_argument("--timing-rounds", type=int, default=2)
@@ -266,7 +272,7 @@ def main(argv=None):
         name = "timing.json" if args.widths == [100, 800] else f"timing_{'_'.join(map(str, args.widths))}.json"
         cached(os.path.join(args.results, name), lambda: timing(data, args))
         return summary_markdown(args.results)
-    tag = "" if args.forward == "linearized" else f"_{args.forward}"
+    tag = ("" if args.forward == "linearized" else f"_{args.forward}") + ("" if args.init == "xavier" else f"_init_{args.init}")
     for width in args.widths:
         for batch in args.batches:
             noise = args.noise
