@@ -2,6 +2,7 @@
 the layers against Monte Carlo of the network the user built (`predict_samples`: one kernel
 drawn per sample, shared by every position), and the Keras conventions of the new layers."""
 
+import itertools
 import warnings
 
 import keras
@@ -210,6 +211,35 @@ def test_shared_component_clip_gradient_matches_finite_differences():
     np.testing.assert_allclose(g_shared, fd_shared, rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(g_var[live], fd_var[live], rtol=1e-6, atol=1e-8)
     np.testing.assert_array_equal(g_var[~live], 0.0)
+
+
+@pytest.mark.parametrize("spatial, window, strides, padding, dilation", [
+    ((9, 7), (3, 3), (1, 1), "valid", (1, 1)),
+    ((9, 7), (3, 2), (2, 2), "same", (1, 1)),
+    ((10, 9), (3, 3), (1, 1), "same", (2, 2)),
+    ((14,), (4,), (3,), "same", (1,)),
+    ((15,), (5,), (2,), "valid", (1,)),
+])
+def test_window_total_matches_its_definition(spatial, window, strides, padding, dilation):
+    """The shared component's window total, `sum_p x[p + o]` over a convolution's output
+    positions averaged over the offsets (computed from a coverage map), against the sum written
+    out position by position with Keras' padding ("same": the extra pad after)."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(2,) + spatial + (3,))
+    out, before = [], []
+    for n, k, st, d in zip(spatial, window, strides, dilation):
+        size = -(-n // st) if padding == "same" else (n - (k - 1) * d - 1) // st + 1
+        out.append(size)
+        before.append(max((size - 1) * st + (k - 1) * d + 1 - n, 0) // 2 if padding == "same" else 0)
+    want = np.zeros((2, 3))
+    for p in itertools.product(*(range(o) for o in out)):
+        for o in itertools.product(*(range(k) for k in window)):
+            q = tuple(pi * st + oi * d - b for pi, oi, st, d, b in zip(p, o, strides, dilation, before))
+            if all(0 <= qi < n for qi, n in zip(q, spatial)):
+                want += x[(slice(None),) + q]
+    want /= np.prod(window)
+    got = to_numpy(conv_moments._window_total(x, window, strides, padding, dilation))  # noqa: SLF001
+    np.testing.assert_allclose(got.reshape(2, 3), want, rtol=1e-12)
 
 
 def test_max_pair_is_finite_at_the_edges(floatx):
