@@ -131,14 +131,14 @@ def _clip_to_sd(shared, variance):
     its six broadcasting selects (TensorFlow's profiler put about 14 ms of a 277 ms DVI CNN step
     on the first conv layer's clip alone)."""
     bound = ops.sqrt(ops.maximum(variance, moments.VARIANCE_FLOOR))
-    inside = ops.less_equal(ops.abs(shared), bound)
 
     def grad(upstream):
+        inside = ops.less_equal(ops.abs(shared), bound)  # (only when differentiated)
         to_shared = ops.where(inside, upstream, 0.0)
         outside = ops.logical_and(ops.logical_not(inside), variance > moments.VARIANCE_FLOOR)
         return to_shared, ops.where(outside, upstream * ops.sign(shared) * 0.5 / bound, 0.0)
 
-    return ops.where(inside, shared, ops.sign(shared) * bound), grad
+    return ops.clip(shared, -bound, bound), grad
 
 
 def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None, variance=None,
@@ -207,6 +207,22 @@ def activation_moments(mean, variance, shared, activation):
     return mean_h, var_h, _clip_shared(slope * shared, var_h)
 
 
+def _clark(mean_1, var_1, mean_2, var_2, cov):
+    """The terms of Clark's max (see `gaussian_max`): `(theta^2, theta, d, alpha, Phi,
+    Phi(-alpha), phi, theta phi, mean, variance)`, the variance not yet clipped at 0."""
+    spread2 = var_1 + var_2 - 2.0 * cov
+    theta = ops.sqrt(ops.maximum(spread2, moments.VARIANCE_FLOOR))
+    d = mean_1 - mean_2
+    alpha = ops.clip(d / theta, -moments.MU_MAX, moments.MU_MAX)
+    p, f = moments.normal_cdf(alpha), moments.normal_pdf(alpha)
+    q = 1.0 - p  # (one erfc fewer; its absolute error, 6e-8 in float32, is what the terms see)
+    spread = theta * f
+    mean = mean_1 * p + mean_2 * q + spread  # (not m2 + d p: exact when one side is padding)
+    # v1 p + v2 q + d^2 p q + d theta phi (q - p) - (theta phi)^2, in fewer operations
+    var = var_2 + (var_1 - var_2) * p + d * (d * p * q + spread * (q - p)) - ops.square(spread)
+    return spread2, theta, d, alpha, p, q, f, spread, mean, var
+
+
 def gaussian_max(mean_1, var_1, mean_2, var_2, cov):
     """Mean and variance of `max(X1, X2)` for jointly Gaussian `X1`, `X2` (Clark 1961, eqs.
     2-3), and the weight `Phi(alpha)` with which `Cov(max, Z) = Cov(X1, Z) w + Cov(X2, Z) (1 - w)`.
@@ -216,15 +232,7 @@ def gaussian_max(mean_1, var_1, mean_2, var_2, cov):
     `v1 Phi + v2 Phi(-alpha) + d^2 Phi Phi(-alpha) + d theta phi (Phi(-alpha) - Phi) - theta^2 phi^2`,
     `d = m1 - m2`.
     """
-    theta = ops.sqrt(ops.maximum(var_1 + var_2 - 2.0 * cov, moments.VARIANCE_FLOOR))
-    d = mean_1 - mean_2
-    alpha = ops.clip(d / theta, -moments.MU_MAX, moments.MU_MAX)
-    p, f = moments.normal_cdf(alpha), moments.normal_pdf(alpha)
-    q = 1.0 - p  # (one erfc fewer; its absolute error, 6e-8 in float32, is what the terms see)
-    spread = theta * f
-    mean = mean_1 * p + mean_2 * q + spread  # (not m2 + d p: exact when one side is padding)
-    # v1 p + v2 q + d^2 p q + d theta phi (q - p) - (theta phi)^2, in fewer operations
-    var = var_2 + (var_1 - var_2) * p + d * (d * p * q + spread * (q - p)) - ops.square(spread)
+    *_, p, _, _, _, mean, var = _clark(mean_1, var_1, mean_2, var_2, cov)
     return mean, ops.maximum(var, 0.0), p
 
 
@@ -234,7 +242,7 @@ def max_pair_moments(mean_1, var_1, shared_1, mean_2, var_2, shared_2):
     shared component of `max(X1, X2)` for units `X_i = m_i + s_i z + e_i` (`Cov(X1, X2) =
     s_1 s_2`), with a hand-written gradient.
 
-    The values are `gaussian_max`'s and `s = s_1 Phi(alpha) + s_2 Phi(-alpha)`. The gradient is
+    The values are `gaussian_max`'s (the same `_clark` terms) and `s = s_1 Phi(alpha) + s_2 Phi(-alpha)`. The gradient is
     the closed form (about a third of the operations of differentiating the ~35 elementwise
     operations of the forward pass, which was most of a DVI CNN's max pooling cost): with
     `d = m_1 - m_2`, `theta`, `alpha = d / theta`, `Phi`, `phi` at `alpha`, `Q = 1 - Phi`,
@@ -249,17 +257,8 @@ def max_pair_moments(mean_1, var_1, shared_1, mean_2, var_2, shared_2):
     Returns:
         `(mean, variance, shared)`.
     """
-    cov = shared_1 * shared_2
-    spread2 = var_1 + var_2 - 2.0 * cov
-    theta = ops.sqrt(ops.maximum(spread2, moments.VARIANCE_FLOOR))
-    d = mean_1 - mean_2
-    alpha = ops.clip(d / theta, -moments.MU_MAX, moments.MU_MAX)
-    p, f = moments.normal_cdf(alpha), moments.normal_pdf(alpha)
-    q = 1.0 - p
-    spread = theta * f
-    mean = mean_1 * p + mean_2 * q + spread
+    spread2, theta, d, alpha, p, q, f, spread, mean, var = _clark(mean_1, var_1, mean_2, var_2, shared_1 * shared_2)
     q_minus_p = q - p
-    var = var_2 + (var_1 - var_2) * p + d * (d * p * q + spread * q_minus_p) - ops.square(spread)
     shared = shared_2 + (shared_1 - shared_2) * p
 
     def grad(*upstream):

@@ -159,8 +159,9 @@ def _pair_inputs(rng, n):
 
 def test_max_pair_gradient_matches_finite_differences():
     """The hand-written gradient of Clark's step (`max_pair_moments`) against central finite
-    differences of its values in float64, for a random weighting of its three outputs; the
-    values are `gaussian_max`'s, with `s = s_1 w + s_2 (1 - w)`."""
+    differences of its values in float64, for a random weighting of its three outputs (its
+    values share `gaussian_max`'s terms, checked against Monte Carlo above and through
+    `max_pool_moments` below)."""
     rng = np.random.default_rng(3)
     n = 40
     args = _pair_inputs(rng, n)
@@ -181,11 +182,6 @@ def test_max_pair_gradient_matches_finite_differences():
         outs_minus = [to_numpy(t) for t in conv_moments.max_pair_moments(*minus)]
         finite = sum(w * (op - om) for w, op, om in zip(weights, outs_plus, outs_minus)) / (2 * h)
         np.testing.assert_allclose(grads[i], finite, rtol=1e-6, atol=1e-7, err_msg=f"argument {i}")
-    mean, var, shared = (to_numpy(t) for t in conv_moments.max_pair_moments(*args))
-    m, v, w = (to_numpy(t) for t in conv_moments.gaussian_max(args[0], args[1], args[3], args[4], args[2] * args[5]))
-    np.testing.assert_allclose(mean, m, rtol=1e-12)
-    np.testing.assert_allclose(var, v, rtol=1e-10, atol=1e-14)
-    np.testing.assert_allclose(shared, args[2] * w + args[5] * (1 - w), rtol=1e-12, atol=1e-15)
 
 
 def test_shared_component_clip_gradient_matches_finite_differences():
