@@ -328,6 +328,41 @@ def test_max_pooling_is_not_the_largest_mean():
     np.testing.assert_allclose(var.ravel(), [1 - 1 / np.pi], rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape, pool, padding", [
+    ((2, 6, 4, 3), (2, 2), "valid"),  # windows tile the map
+    ((2, 7, 5, 3), (2, 2), "valid"),  # a row and a column no window reaches
+    ((2, 6, 6, 2), (3, 2), "valid"),
+    ((2, 9, 3), (3,), "valid"),  # 1D
+    ((2, 5, 5, 2), (2, 2), "same"),  # padded windows (the strided-slice path)
+], ids=["tiled", "cropped", "pool3x2", "1d", "same"])
+def test_max_pool_gradient_matches_finite_differences(shape, pool, padding):
+    """The gradient of max pooling's moments (the window taps' gradient is written out under
+    JAX) against central finite differences of its values in float64, along random directions
+    of all three inputs together and of each alone; no gradient to elements no window reaches."""
+    rng = np.random.default_rng(11)
+    m, v, s = _factor_inputs(rng, shape)
+    weights = [rng.normal(size=t.shape) for t in
+               (to_numpy(o) for o in conv_moments.max_pool_moments(m, v, s, pool, pool, padding))]
+
+    def objective(*t):
+        return sum(ops.sum(out * w) for out, w in zip(conv_moments.max_pool_moments(*t, pool, pool, padding), weights))
+
+    from tests.conftest import gradients
+
+    _, grads = gradients(objective, [m, v, s])
+    h = 1e-6
+    directions = [[rng.normal(size=shape) for _ in range(3)] for _ in range(3)]
+    directions += [[rng.normal(size=shape) * (j == i) for j in range(3)] for i in range(3)]
+    for d in directions:
+        plus = to_numpy(objective(*(x + h * dx for x, dx in zip((m, v, s), d))))
+        minus = to_numpy(objective(*(x - h * dx for x, dx in zip((m, v, s), d))))
+        along = sum(np.sum(g * dx) for g, dx in zip(grads, d))
+        np.testing.assert_allclose(along, (plus - minus) / (2 * h), rtol=1e-6)
+    if shape[1] % pool[0] and padding == "valid":
+        for g in grads:
+            assert np.all(g[:, -1] == 0) and np.any(g[:, 0] != 0)
+
+
 # --------------------------------------------------------------------------- the layers against Monte Carlo
 
 
