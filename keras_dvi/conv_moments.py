@@ -290,82 +290,45 @@ def _pads(size, window, stride, padding):
     return total // 2, total - total // 2, out
 
 
-def _window_taps(tensors, fills, pool_size, strides, padding):
-    """For each offset of a pooling window, the tensors' elements at that offset of every
-    window (padded with `fills` for "same"): lists of tensors `(batch, *out_spatial, channels)`."""
+def _window_taps(tensors, fills, pool_size, strides, padding, stacked=False):
+    """For each input tensor, its elements at every offset of a pooling window (padded with
+    `fills` for "same"), the offsets in `itertools.product` order: a list of tensors
+    `(batch, *out_spatial, channels)` per input, or with `stacked` one tensor
+    `(taps, batch, *out_spatial, channels)` per input."""
     shape = tensors[0].shape[1:-1]
     pads = [_pads(int(n), k, s, padding) for n, k, s in zip(shape, pool_size, strides)]
-    if padding == "valid" and tuple(strides) == tuple(pool_size):
-        return _tiled_taps(tensors, pool_size, [out for _, _, out in pads])
     if any(before or after for before, after, _ in pads):
         widths = [(0, 0)] + [(before, after) for before, after, _ in pads] + [(0, 0)]
         tensors = [ops.pad(t, widths, constant_values=fill) for t, fill in zip(tensors, fills)]
-    taps = []
-    for offset in itertools.product(*(range(k) for k in pool_size)):
-        index = (slice(None),) + tuple(
-            slice(o, o + (out - 1) * s + 1, s) for o, s, (_, _, out) in zip(offset, strides, pads)
-        ) + (slice(None),)
-        taps.append([t[index] for t in tensors])
-    return taps
-
-
-def _tiled_taps(tensors, pool_size, outs):
-    """`_window_taps` of non-overlapping windows (strides = pool size, no padding): a crop, a
-    reshape and one transpose per tensor, then `unstack` (cheaper to differentiate than one
-    strided slice per offset)."""
-    rank = len(pool_size)
-    taps = []
-    covered = tuple(o * k for o, k in zip(outs, pool_size))
+    outs = [out for _, _, out in pads]
+    if tuple(strides) == tuple(pool_size):  # windows that tile the (padded) map
+        tiled = [_tiled_taps(t, pool_size, outs) for t in tensors]
+        return tiled if stacked else [ops.unstack(t, num=math.prod(pool_size), axis=0) for t in tiled]
+    result = []
     for t in tensors:
-        if covered != tuple(t.shape[1:-1]):  # the rows and columns no window reaches: a `slice`, whose
-            # gradient is one pad (a strided slice's took 50 ms of a 220 ms CNN step)
-            t = ops.slice(t, (0,) * (rank + 2), (ops.shape(t)[0],) + covered + (t.shape[-1],))
-        taps.append(_tiles(t, tuple(pool_size), tuple(outs)))
-    return [list(group) for group in zip(*taps)]
+        taps = []
+        for offset in itertools.product(*(range(k) for k in pool_size)):
+            index = (slice(None),) + tuple(
+                slice(o, o + (out - 1) * s + 1, s) for o, s, out in zip(offset, strides, outs)) + (slice(None),)
+            taps.append(t[index])
+        result.append(ops.stack(taps) if stacked else taps)
+    return result
 
 
-def _split_tiles(t, pool_size, outs):
-    """The elements of `t` (`(batch, *covered, channels)`) at each offset of the windows, in
-    `itertools.product` order: a list of `prod(pool_size)` tensors `(batch, *outs, channels)`."""
+def _tiled_taps(t, pool_size, outs):
+    """`_window_taps` of one tensor when the windows tile it (strides = pool size): a crop,
+    a reshape and one transpose (cheaper to differentiate than one strided slice per offset)."""
     rank = len(pool_size)
+    covered = tuple(o * k for o, k in zip(outs, pool_size))
+    if covered != tuple(t.shape[1:-1]):  # the rows and columns no window reaches: a `slice`, whose
+        # gradient is one pad (a strided slice's took 50 ms of a 220 ms CNN step)
+        t = ops.slice(t, (0,) * (rank + 2), (ops.shape(t)[0],) + covered + (t.shape[-1],))
     split = (-1,) + tuple(v for o, k in zip(outs, pool_size) for v in (o, k)) + (t.shape[-1],)
     t = ops.reshape(t, split)  # (batch, o1, k1, o2, k2, ..., channels)
     window_axes = tuple(2 + 2 * i for i in range(rank))
     out_axes = tuple(1 + 2 * i for i in range(rank))
     t = ops.transpose(t, window_axes + (0,) + out_axes + (2 * rank + 1,))
-    t = ops.reshape(t, (math.prod(pool_size),) + tuple(ops.shape(t)[rank:]))
-    return ops.unstack(t, num=math.prod(pool_size), axis=0)
-
-
-def _tiles(t, pool_size, outs):
-    """`_split_tiles`, differentiable. TensorFlow differentiates it as it is (a stack and a
-    transpose). Under JAX the gradient is written out as the sum of the taps' gradients placed
-    by constant one-hot masks: XLA's CPU compiler fused the stack and transpose of autodiff with
-    the whole elementwise chain of Clark's recursion before them, and evaluated that chain
-    again for every element of each input gradient (measured, one core: the first max pooling
-    of the MNIST CNN and the ReLU moments after it, forward and backward, 1.64 s against 0.33 s
-    with the masks; the DVI CNN's step 928 ms against 420 ms, two cores). TensorFlow's graph
-    executor keeps autodiff's gradient: the masks made its step slower (144 ms against 182)."""
-    if keras.backend.backend() != "jax":
-        return _split_tiles(t, pool_size, outs)
-    rank = len(pool_size)
-    spatial = tuple(o * k for o, k in zip(outs, pool_size))
-    # one-hot masks (taps, 1, 1, k1, 1, k2, ..., 1), in `itertools.product` order of offsets
-    masks = np.eye(math.prod(pool_size)).reshape((-1, 1) + tuple(v for k in pool_size for v in (1, k)) + (1,))
-
-    @ops.custom_gradient
-    def tiles(t):
-        def grad(upstream):  # JAX: the taps' cotangents as one tuple
-            total = 0.0
-            for g, mask in zip(upstream, masks):
-                for axis in range(2, 2 * rank + 1, 2):  # (batch, o1, 1, o2, 1, ..., channels)
-                    g = ops.expand_dims(g, axis)
-                total = total + g * ops.convert_to_tensor(mask, dtype=t.dtype)
-            return ops.reshape(total, (-1,) + spatial + (t.shape[-1],))
-
-        return tuple(_split_tiles(t, pool_size, outs)), grad
-
-    return list(tiles(t))
+    return ops.reshape(t, (math.prod(pool_size),) + tuple(ops.shape(t)[rank:]))
 
 
 #: The mean given to the padding of a "same" max pooling window: below any activation, so the
@@ -377,13 +340,28 @@ def max_pool_moments(mean, variance, shared, pool_size, strides, padding="valid"
     """Moments of max pooling over windows of `pool_size` (Clark's recursion, pair by pair,
     correlations `s_i s_j` from the shared components).
 
+    Under JAX the recursion is a `keras.ops.scan` over the window's offsets; TensorFlow runs it
+    unrolled. XLA (JAX's compiler) fused the unrolled recursion's gradient with the gather of
+    the offsets' gradients back into the feature map and recomputed the recursion for every
+    element; the scan keeps each step's gradient in memory (measured, forward and backward of
+    a 128x26x26x32 map with the ReLU moments after it, two threads: 2x2 windows 144 ms unrolled
+    against 95 ms, 3x3 windows with stride 2 14.3 s against 0.18 s; TensorFlow unrolled 75 ms
+    and 0.28 s, with the scan 149 ms and 0.49 s).
+
     Returns:
         `(mean, variance, shared)`, each `(batch, *out_spatial, channels)`.
     """
-    taps = _window_taps([mean, variance, shared], [_PAD_MEAN, 0.0, 0.0], pool_size, strides, padding)
-    m, v, s = taps[0]
-    for m2, v2, s2 in taps[1:]:
-        m, v, s = max_pair_moments(m, v, s, m2, v2, s2)
+    scan = keras.backend.backend() == "jax"
+    taps = _window_taps([mean, variance, shared], [_PAD_MEAN, 0.0, 0.0], pool_size, strides, padding, stacked=scan)
+    m, v, s = (t[0] for t in taps)
+    if scan:
+        def step(carry, tap):
+            return max_pair_moments(*carry, *tap), None
+
+        (m, v, s), _ = ops.scan(step, (m, v, s), tuple(t[1:] for t in taps))
+    else:
+        for tap in zip(*(t[1:] for t in taps)):
+            m, v, s = max_pair_moments(m, v, s, *tap)
     return m, v, _clip_shared(s, v)
 
 

@@ -328,24 +328,27 @@ def test_max_pooling_is_not_the_largest_mean():
     np.testing.assert_allclose(var.ravel(), [1 - 1 / np.pi], rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape, pool, padding", [
-    ((2, 6, 4, 3), (2, 2), "valid"),  # windows tile the map
-    ((2, 7, 5, 3), (2, 2), "valid"),  # a row and a column no window reaches
-    ((2, 6, 6, 2), (3, 2), "valid"),
-    ((2, 9, 3), (3,), "valid"),  # 1D
-    ((2, 5, 5, 2), (2, 2), "same"),  # padded windows (the strided-slice path)
-], ids=["tiled", "cropped", "pool3x2", "1d", "same"])
-def test_max_pool_gradient_matches_finite_differences(shape, pool, padding):
-    """The gradient of max pooling's moments (the window taps' gradient is written out under
-    JAX) against central finite differences of its values in float64, along random directions
-    of all three inputs together and of each alone; no gradient to elements no window reaches."""
+@pytest.mark.parametrize("shape, pool, padding, strides", [
+    ((2, 6, 4, 3), (2, 2), "valid", None),  # windows tile the map
+    ((2, 7, 5, 3), (2, 2), "valid", None),  # a row and a column no window reaches
+    ((2, 6, 6, 2), (3, 2), "valid", None),
+    ((2, 9, 3), (3,), "valid", None),  # 1D
+    ((2, 5, 5, 2), (2, 2), "same", None),  # padded, then tiled
+    ((2, 7, 6, 2), (3, 3), "valid", (2, 2)),  # overlapping windows (strided slices)
+], ids=["tiled", "cropped", "pool3x2", "1d", "same", "overlapping"])
+def test_max_pool_gradient_matches_finite_differences(shape, pool, padding, strides):
+    """The gradient of max pooling's moments (under JAX Clark's recursion is a scan over the
+    window's offsets, under TensorFlow unrolled) against central finite differences of its
+    values in float64, along random directions of all three inputs together and of each alone;
+    no gradient to elements no window reaches."""
     rng = np.random.default_rng(11)
+    strides = strides or pool
     m, v, s = _factor_inputs(rng, shape)
     weights = [rng.normal(size=t.shape) for t in
-               (to_numpy(o) for o in conv_moments.max_pool_moments(m, v, s, pool, pool, padding))]
+               (to_numpy(o) for o in conv_moments.max_pool_moments(m, v, s, pool, strides, padding))]
 
     def objective(*t):
-        return sum(ops.sum(out * w) for out, w in zip(conv_moments.max_pool_moments(*t, pool, pool, padding), weights))
+        return sum(ops.sum(out * w) for out, w in zip(conv_moments.max_pool_moments(*t, pool, strides, padding), weights))
 
     from tests.conftest import gradients
 
@@ -353,12 +356,15 @@ def test_max_pool_gradient_matches_finite_differences(shape, pool, padding):
     h = 1e-6
     directions = [[rng.normal(size=shape) for _ in range(3)] for _ in range(3)]
     directions += [[rng.normal(size=shape) * (j == i) for j in range(3)] for i in range(3)]
-    for d in directions:
-        plus = to_numpy(objective(*(x + h * dx for x, dx in zip((m, v, s), d))))
-        minus = to_numpy(objective(*(x - h * dx for x, dx in zip((m, v, s), d))))
+    # every perturbed input in one call, along the batch axis (examples are pooled independently)
+    moved = [np.concatenate([x + sign * h * d[i] for d in directions for sign in (1, -1)]) for i, x in enumerate((m, v, s))]
+    outs = [to_numpy(o).reshape((2 * len(directions),) + w.shape)
+            for o, w in zip(conv_moments.max_pool_moments(*moved, pool, strides, padding), weights)]
+    values = sum(np.sum(o * w, axis=tuple(range(1, o.ndim))) for o, w in zip(outs, weights))
+    for j, d in enumerate(directions):
         along = sum(np.sum(g * dx) for g, dx in zip(grads, d))
-        np.testing.assert_allclose(along, (plus - minus) / (2 * h), rtol=1e-6)
-    if shape[1] % pool[0] and padding == "valid":
+        np.testing.assert_allclose(along, (values[2 * j] - values[2 * j + 1]) / (2 * h), rtol=1e-6)
+    if shape[1] % pool[0] and padding == "valid" and strides == pool:
         for g in grads:
             assert np.all(g[:, -1] == 0) and np.any(g[:, 0] != 0)
 
