@@ -188,9 +188,11 @@ def cnn_main(args):
     times = cnn_times(args.rounds, args.steps, args.cnn_batch)
     base = times["plain CNN"]
     threads = tf.config.threading.get_intra_op_parallelism_threads()
+    backend = keras.backend.backend()
     lines = [f"Training step of the MNIST benchmark's CNN (conv 32 - pool - conv 64 - pool - dense 128 - 10), "
              f"batch {args.cnn_batch}, `train_on_batch`, median over {args.rounds} interleaved rounds of "
-             f"{args.steps} steps, {threads or 'default'} thread(s):", "",
+             f"{args.steps} steps, {backend}, "
+             + (f"{threads or 'default'} thread(s):" if backend == "tensorflow" else "its default threads:"), "",
              "| network | ms / step | ratio to plain CNN |", "|---|---|---|"]
     for name, t in times.items():
         lines.append(f"| {name} | {1e3 * t:.1f} | {t / base:.2f} |")
