@@ -189,3 +189,22 @@ def test_tagi_chooses_the_noise_by_cross_validation_on_training_rows_only(folder
         uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1",
                   "--tagi-init", "0.25"])
     assert uci.tagi_initialize("0.25") == 0.25 and uci.tagi_initialize("he") == "he"
+
+
+def test_noise_grid_analysis_recovers_a_gaussian_score():
+    """`benchmarks/tagi_noise_grid.py` on cross-validated log-likelihoods made by the closed
+    form `c - log s - R / (2 s^2)` on uci.py's grid: the best `sigma_V` is `sqrt(R)`, the gain
+    over the chosen grid point is the closed form's, and the check at the third point is 0;
+    a curve that is not of that form shows in the check."""
+    from benchmarks import tagi_noise_grid as grid
+
+    c, residual = 1.3, 0.237 ** 2
+    cv = {str(s): c - math.log(s) - residual / (2 * s ** 2) for s in uci.TAGI_NOISES}
+    chosen = max(uci.TAGI_NOISES, key=lambda s: cv[str(s)])
+    assert chosen == 0.2
+    row = grid.analyse_split({"cv_ll": cv, "observation_noise": chosen})
+    assert row["best"] == pytest.approx(0.237, rel=1e-12)
+    assert row["gain"] == pytest.approx(math.log(0.2 / 0.237) + 0.5 * (residual / 0.04 - 1), rel=1e-12)
+    assert row["gain"] > 0 and abs(row["check"]) < 1e-12
+    cv["0.1"] -= 0.5  # the fit itself changes with sigma_V at the third point
+    assert grid.analyse_split({"cv_ll": cv, "observation_noise": chosen})["check"] == pytest.approx(0.5)
