@@ -22,16 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import images  # noqa: E402
-
-
-def _softmax(z):
-    z = z - z.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
-
-
-def _entropy(p):
-    return -(p * np.log(np.clip(p, 1e-12, 1))).sum(-1)
+from classification import auroc, entropy  # noqa: E402 - the benchmarks' own metrics
 
 
 def main(argv=None):
@@ -44,7 +35,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     import keras
-    from sklearn.metrics import roc_auc_score
+    from scipy.special import softmax
 
     import keras_dvi as kd
 
@@ -57,26 +48,22 @@ def main(argv=None):
     model.fit(x, y, batch_size=128, epochs=args.epochs, verbose=0)
     print(f"trained {args.epochs} epochs in {time.time() - start:.0f} s")
     noise = np.random.default_rng(0).uniform(0, 1, (args.rows,) + x.shape[1:]).astype("float32")
-    entropies = {}
+    probabilities = {}
     for name, data in (("digits", x_test[: args.rows]), ("noise", noise)):
-        mean_method = kd.predict(model, data)["entropy"]
-        probit = kd.predict(model, data, probability_method="probit")["entropy"]
-        mean, var = (np.asarray(a) for a in kd.unpack(model.predict(data, verbose=0)))
-        if var.ndim == 3:
-            var = np.diagonal(var, axis1=1, axis2=2)
+        mean_method = kd.predict(model, data)["probabilities"]
+        probit = kd.predict(model, data, probability_method="probit")["probabilities"]
+        mean, var = (np.asarray(a) for a in kd.unpack(model.predict(data, verbose=0), covariance="diagonal"))
         samples = kd.predict_samples(model, data, args.samples, seed=1)
-        monte_carlo = _entropy(_softmax(samples).mean(1))
-        entropies[name] = (mean_method, probit, monte_carlo)
-        print(f"{name}: entropy (nats) mean-method {mean_method.mean():.3f}, probit {probit.mean():.3f}, "
-              f"Monte Carlo over weights {monte_carlo.mean():.3f}; logit sd closed form {np.sqrt(var).mean():.3f}, "
-              f"Monte Carlo {samples.std(1).mean():.3f}; median |mean error| / sd "
-              f"{np.median(np.abs(mean - samples.mean(1)) / samples.std(1)):.2f}, median variance ratio "
-              f"{np.median(var / samples.var(1)):.2f}")
-    labels = np.r_[np.zeros(args.rows), np.ones(args.rows)]
+        monte_carlo = softmax(samples, axis=-1).mean(1)
+        probabilities[name] = (mean_method, probit, monte_carlo)
+        print(f"{name}: entropy (nats) mean-method {entropy(mean_method).mean():.3f}, probit "
+              f"{entropy(probit).mean():.3f}, Monte Carlo over weights {entropy(monte_carlo).mean():.3f}; "
+              f"logit sd closed form {np.sqrt(var).mean():.3f}, Monte Carlo {samples.std(1).mean():.3f}; "
+              f"median |mean error| / sd {np.median(np.abs(mean - samples.mean(1)) / samples.std(1)):.2f}, "
+              f"median variance ratio {np.median(var / samples.var(1)):.2f}")
     for i, label in enumerate(("mean-method", "probit", "Monte Carlo over weights")):
-        auroc = roc_auc_score(labels, np.r_[entropies["digits"][i], entropies["noise"][i]])
-        print(f"AUROC (noise against digits, by entropy), {label}: {auroc:.3f}")
-
+        score = auroc(probabilities["digits"][i], probabilities["noise"][i])
+        print(f"AUROC (noise against digits, by entropy), {label}: {score:.3f}")
 
 if __name__ == "__main__":
     main()

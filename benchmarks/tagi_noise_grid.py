@@ -14,6 +14,7 @@ the best `sigma_V` and the gain over the chosen one. No test row is read.
 """
 
 import argparse
+import collections
 import glob
 import json
 import math
@@ -61,13 +62,14 @@ def main(argv=None):
     lines = ["| data | splits | chosen sigma_V (counts) | best sigma_V (median) | gain over the chosen, nats (median) | "
              "check at the third point, nats (median abs.) |", "|---|---|---|---|---|---|"]
     for name in datasets:
-        records = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(args.results, name, "tagi", "split_*.json")))]
+        records = []
+        for path in sorted(glob.glob(os.path.join(args.results, name, "tagi", "split_*.json"))):
+            with open(path) as f:
+                records.append(json.load(f))
         rows = [r for r in (analyse_split(rec) for rec in records) if r is not None]
         if not rows:
             continue
-        chosen = {}
-        for rec in records:
-            chosen[rec["observation_noise"]] = chosen.get(rec["observation_noise"], 0) + 1
+        chosen = collections.Counter(rec["observation_noise"] for rec in records)
         checks = [abs(r["check"]) for r in rows if r["check"] is not None]
         lines.append(f"| {name} | {len(rows)} | {', '.join(f'{k:g} ({v})' for k, v in sorted(chosen.items()))} | "
                      f"{np.median([r['best'] for r in rows]):.3f} | {np.median([r['gain'] for r in rows]):.3f} | "
