@@ -7,7 +7,9 @@ network's fit alone, the cross-validated log-likelihood would be a Gaussian scor
 residuals, `LL(s) = c - log s - R / (2 s^2)`, best at `s = sqrt(R)`. This script fits `c`
 and `R` to the chosen grid point and its better neighbour, checks the model on the third
 point (the other neighbour), and reports, per data set (medians over the cached splits),
-the best `sigma_V` and the gain over the chosen one. No test row is read.
+the best `sigma_V` and the gain over the chosen one. No test row is read. Records of the
+refined search (`--tagi-noise-search refine`, the default since) hold more points: only the
+grid's are read here, and "chosen" is the grid's choice.
 
     python benchmarks/tagi_noise_grid.py                     # every data set cached
     python benchmarks/tagi_noise_grid.py --results benchmarks/results/uci --datasets power
@@ -19,8 +21,12 @@ import glob
 import json
 import math
 import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from uci import TAGI_NOISES  # noqa: E402 - the grid uci.py searches first
 
 
 def fit_gaussian_score(s1, ll1, s2, ll2):
@@ -34,13 +40,18 @@ def gaussian_score(c, residual, s):
     return c - math.log(s) - residual / (2.0 * s ** 2)
 
 
+def grid_scores(record):
+    """The cached cross-validated log-likelihoods of the octave grid's points only."""
+    return {float(k): v for k, v in record["cv_ll"].items() if float(k) in TAGI_NOISES}
+
+
 def analyse_split(record):
     """For one cached split: `{"best": sqrt(R), "gain": LL(best) - LL(chosen), "check": the
     model's error at the third grid point (None without one)}`, or `None` where the fit has no
     maximum."""
-    cv = {float(k): v for k, v in record["cv_ll"].items()}
+    cv = grid_scores(record)
     grid = sorted(cv)
-    chosen = record["observation_noise"]
+    chosen = max(cv, key=cv.get)
     i = grid.index(chosen)
     neighbours = [grid[j] for j in (i - 1, i + 1) if 0 <= j < len(grid)]
     partner = max(neighbours, key=lambda g: cv[g])
@@ -69,7 +80,7 @@ def main(argv=None):
         rows = [r for r in (analyse_split(rec) for rec in records) if r is not None]
         if not rows:
             continue
-        chosen = collections.Counter(rec["observation_noise"] for rec in records)
+        chosen = collections.Counter(max(grid_scores(rec), key=grid_scores(rec).get) for rec in records)
         checks = [abs(r["check"]) for r in rows if r["check"] is not None]
         lines.append(f"| {name} | {len(rows)} | {', '.join(f'{k:g} ({v})' for k, v in sorted(chosen.items()))} | "
                      f"{np.median([r['best'] for r in rows]):.3f} | {np.median([r['gain'] for r in rows]):.3f} | "

@@ -166,29 +166,85 @@ def test_the_convergence_rule_never_stops_inside_the_warm_up_or_just_after(monke
 
 
 def test_tagi_chooses_the_noise_by_cross_validation_on_training_rows_only(folder, tmp_path, monkeypatch):
-    """`--methods tagi`: sigma_V is the grid value with the best 5-fold validation
-    log-likelihood on the training rows (the test rows never enter the choice), the record
-    keeps the grid's scores, and the linearised and moment runs are cached apart."""
+    """`--methods tagi`: sigma_V is the value with the best 5-fold validation log-likelihood
+    on the training rows (the test rows never enter the choice), the record keeps every
+    scored value, a grid-only record is refined later without recomputing its grid, and the
+    linearised and moment runs are cached apart."""
     monkeypatch.setattr(uci, "TAGI_EPOCHS", 2)
     monkeypatch.setattr(uci, "TAGI_NOISES", (0.1, 1.0))
     results = str(tmp_path / "results")
+    path = os.path.join(results, os.path.basename(folder), "tagi", "split_0.json")
     seen = []
     real = uci.tagi_scores
     monkeypatch.setattr(uci, "tagi_scores", lambda model, x, y, s: seen.append(len(x)) or real(model, x, y, s))
-    uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1"])
-    with open(os.path.join(results, os.path.basename(folder), "tagi", "split_0.json")) as f:
+    command = ["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1"]
+    uci.main(command + ["--tagi-noise-search", "grid"])
+    with open(path) as f:
         record = json.load(f)
-    assert set(record["cv_ll"]) == {"0.1", "1.0"}
+    assert set(record["cv_ll"]) == {"0.1", "1.0"} and record["noise_search"] == "grid"
     assert record["observation_noise"] == float(max(record["cv_ll"], key=record["cv_ll"].get))
     assert np.isfinite(record["test_ll"]) and record["forward"] == "linearized"
     assert seen == [5] * 10 + [5]  # 2 noises x 5 folds of the 25 training rows, then the 5 test rows
-    uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1",
-              "--tagi-forward", "moments"])
+    seen.clear()
+    uci.main(command)  # the default refines the cached grid: only the new values are scored
+    with open(path) as f:
+        refined = json.load(f)
+    new = set(refined["cv_ll"]) - set(record["cv_ll"])
+    assert refined["noise_search"] == "refine" and new and len(new) <= uci.TAGI_EXTEND + uci.TAGI_PARABOLIC
+    assert all(refined["cv_ll"][k] == record["cv_ll"][k] for k in record["cv_ll"])
+    assert refined["observation_noise"] == float(max(refined["cv_ll"], key=refined["cv_ll"].get))
+    assert seen == [5] * (5 * len(new)) + [5]
+    seen.clear()
+    uci.main(command)  # cached now
+    assert seen == []
+    uci.main(command + ["--tagi-forward", "moments"])
     assert os.path.exists(os.path.join(results, os.path.basename(folder), "tagi_moments", "split_0.json"))
     with pytest.raises(SystemExit, match="tagi-init"):  # another prior is never mixed into the cache
-        uci.main(["--data", folder, "--methods", "tagi", "--splits", "0", "--results", results, "--jobs", "1",
-                  "--tagi-init", "0.25"])
+        uci.main(command + ["--tagi-init", "0.25"])
     assert uci.tagi_initialize("0.25") == 0.25 and uci.tagi_initialize("he") == "he"
+
+
+def _gaussian_score(residual, c=1.3):
+    """The cross-validated log-likelihood of fixed residuals of variance `residual` at noise s."""
+    return lambda s: c - math.log(s) - residual / (2 * s ** 2)
+
+
+def test_parabola_vertex_is_exact_on_a_parabola():
+    t = [-1.0, 0.5, 2.0]
+    assert uci.parabola_vertex(t, [-3.0 * (x - 0.7) ** 2 + 2.0 for x in t]) == pytest.approx(0.7, abs=1e-12)
+    assert uci.parabola_vertex(t, [1.0, 2.5, 4.0]) is None  # collinear: no vertex
+
+
+@pytest.mark.parametrize("best", [0.237, 0.067, 1.1, 0.02, 0.005])
+def test_tagi_noise_search_finds_the_best_noise_of_a_gaussian_score(best):
+    """On the closed-form score `c - log s - R / (2 s^2)`, best at `sqrt(R)`: inside the grid
+    (power's 0.237, yacht's 0.067), past its top (1.1), past its bottom by more than one
+    octave (0.02: two extensions) and out of reach (0.005: the search stops at the last
+    extension). The refined value is
+    within 1/8 octave of the optimum where the optimum is in reach, the grid's choice never
+    beats it, at most TAGI_EXTEND + TAGI_PARABOLIC values are added, and scores given in
+    `cv` are not recomputed."""
+    score = _gaussian_score(best ** 2)
+    calls = []
+
+    def evaluate(s):
+        calls.append(s)
+        return score(s)
+
+    grid_choice = uci.tagi_noise_search(evaluate, search="grid")
+    assert calls == list(uci.TAGI_NOISES) and grid_choice == max(uci.TAGI_NOISES, key=score)
+    cv = {s: score(s) for s in uci.TAGI_NOISES}
+    calls.clear()
+    chosen = uci.tagi_noise_search(evaluate, cv)
+    assert 1 <= len(calls) <= uci.TAGI_EXTEND + uci.TAGI_PARABOLIC and not set(calls) & set(uci.TAGI_NOISES)
+    assert set(cv) == set(uci.TAGI_NOISES) | set(calls) and chosen == max(cv, key=cv.get)
+    assert score(chosen) >= score(grid_choice)
+    reach = min(uci.TAGI_NOISES) / 2 ** uci.TAGI_EXTEND
+    if best >= reach:
+        assert abs(math.log2(chosen / best)) < 1 / 8
+        assert score(chosen) > score(grid_choice) + 1e-3 or grid_choice == pytest.approx(best, rel=0.05)
+    else:
+        assert chosen == reach
 
 
 def test_noise_grid_analysis_recovers_a_gaussian_score():
