@@ -31,7 +31,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_dvi as kd  # noqa: E402
 from keras_dvi.packing import pack  # noqa: E402
@@ -49,6 +48,8 @@ def _median_time(fn, repeats):
 
 
 def _step(layer, inputs):
+    import tensorflow as tf
+
     @tf.function
     def run():
         with tf.GradientTape() as tape:
@@ -184,11 +185,17 @@ def cnn_times(rounds, steps, batch):
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def _tf_threads():
+    import tensorflow as tf
+
+    return tf.config.threading.get_intra_op_parallelism_threads()
+
+
 def cnn_main(args):
     times = cnn_times(args.rounds, args.steps, args.cnn_batch)
     base = times["plain CNN"]
-    threads = tf.config.threading.get_intra_op_parallelism_threads()
     backend = keras.backend.backend()
+    threads = _tf_threads() if backend == "tensorflow" else None
     lines = [f"Training step of the MNIST benchmark's CNN (conv 32 - pool - conv 64 - pool - dense 128 - 10), "
              f"batch {args.cnn_batch}, `train_on_batch`, median over {args.rounds} interleaved rounds of "
              f"{args.steps} steps, {backend}, "
@@ -223,6 +230,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.threads:
+        import tensorflow as tf
+
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(1)
     if args.cnn:
