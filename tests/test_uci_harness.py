@@ -262,5 +262,7 @@ def test_noise_grid_analysis_recovers_a_gaussian_score():
     assert row["best"] == pytest.approx(0.237, rel=1e-12)
     assert row["gain"] == pytest.approx(math.log(0.2 / 0.237) + 0.5 * (residual / 0.04 - 1), rel=1e-12)
     assert row["gain"] > 0 and abs(row["check"]) < 1e-12
+    refined = dict(cv, **{"0.237": c - math.log(0.237) - residual / (2 * 0.237 ** 2)})  # a refined record
+    assert grid.analyse_split({"cv_ll": refined, "observation_noise": 0.237}) == row  # reads the grid's points only
     cv["0.1"] -= 0.5  # the fit itself changes with sigma_V at the third point
     assert grid.analyse_split({"cv_ll": cv, "observation_noise": chosen})["check"] == pytest.approx(0.5)
