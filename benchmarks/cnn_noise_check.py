@@ -111,5 +111,6 @@ def mean_network(model):
                             np.asarray(keras.ops.convert_to_numpy(source.bias_mean))])
     return plain
 
+
 if __name__ == "__main__":
     main()

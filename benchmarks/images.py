@@ -52,8 +52,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from classification import auroc, scores  # noqa: E402 - the same metrics as the digits benchmark
 
-METHODS = ("plain", "dropout", "ensemble", "flipout", "dvi", "dvi_tempered", "dvi_ensemble", "mcvi", "dense100", "dense800",
-           "dense100_tempered", "dense800_tempered")
+METHODS = ("plain", "dropout", "ensemble", "flipout", "dvi", "dvi_tempered", "dvi_ensemble", "mcvi", "dense100",
+           "dense800", "dense100_tempered", "dense800_tempered")
 ROTATIONS = tuple(range(0, 181, 15))
 NOISE_SDS = (0.1, 0.2, 0.4)
 BATCH = 128
