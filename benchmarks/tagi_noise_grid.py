@@ -80,7 +80,7 @@ def main(argv=None):
         rows = [r for r in (analyse_split(rec) for rec in records) if r is not None]
         if not rows:
             continue
-        chosen = collections.Counter(max(grid_scores(rec), key=grid_scores(rec).get) for rec in records)
+        chosen = collections.Counter(max(cv, key=cv.get) for cv in map(grid_scores, records))
         checks = [abs(r["check"]) for r in rows if r["check"] is not None]
         lines.append(f"| {name} | {len(rows)} | {', '.join(f'{k:g} ({v})' for k, v in sorted(chosen.items()))} | "
                      f"{np.median([r['best'] for r in rows]):.3f} | {np.median([r['gain'] for r in rows]):.3f} | "

@@ -242,7 +242,7 @@ def test_tagi_noise_search_finds_the_best_noise_of_a_gaussian_score(best):
     reach = min(uci.TAGI_NOISES) / 2 ** uci.TAGI_EXTEND
     if best >= reach:
         assert abs(math.log2(chosen / best)) < 1 / 8
-        assert score(chosen) > score(grid_choice) + 1e-3 or grid_choice == pytest.approx(best, rel=0.05)
+        assert score(chosen) > score(grid_choice) + 1e-3  # no optimum here sits on a grid point
     else:
         assert chosen == reach
 
