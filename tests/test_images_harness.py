@@ -30,3 +30,35 @@ def test_mean_network_computes_the_dvi_cnns_posterior_mean_function():
     mean, variance = kd.unpack(model.predict(x, verbose=0), covariance="diagonal")
     assert np.max(np.asarray(variance)) < 1e-6
     np.testing.assert_allclose(np.asarray(mean), plain_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_mean_network_of_the_dense_rows_matches_their_closed_form_without_weight_noise():
+    """The same check for `images.py`'s dense rows (784-W-W-10 `DenseDiagDVI` / `DenseDVI`)."""
+    keras.utils.set_random_seed(4)
+    model = images.keras_dvi_cnn("dense100", 10, 1000)
+    x = np.random.default_rng(2).uniform(0, 1, (4, 28, 28, 1)).astype("float32")
+    for layer in model.layers:
+        for weight in layer.weights:
+            if "log_std" in weight.path:
+                weight.assign(np.full(weight.shape, -12.0, dtype=weight.dtype))
+    mean, _ = kd.unpack(model.predict(x, verbose=0), covariance="diagonal")
+    np.testing.assert_allclose(np.asarray(mean), cnn_noise_check.mean_network(model).predict(x, verbose=0),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_pixel_groups_split_the_weight_noise_by_how_often_pixels_are_used():
+    """`cnn_noise_check.pixel_groups` against a hand count: pixel 0 never used in training,
+    pixel 1 in 1 of 200 images (rarely), pixels 2-3 always; on an all-ones input the shares are
+    the groups' summed kernel variances over the total."""
+    x_train = np.zeros((200, 4), dtype="float32")
+    x_train[:, 2:] = 1.0
+    x_train[0, 1] = 1.0
+    kernel_variance = np.array([[1.0, 3.0], [2.0, 2.0], [0.5, 0.5], [1.0, 0.0]])
+    groups = cnn_noise_check.pixel_groups(x_train, np.ones((3, 4)), kernel_variance)
+    total = kernel_variance.sum()
+    assert groups["never"] == (1, 2.0, 4.0 / total)
+    assert groups["rarely"] == (1, 2.0, 4.0 / total)
+    count, median, share = groups["often"]
+    assert (count, median) == (2, 0.5) and np.isclose(share, 2.0 / total)
+    digits_only = cnn_noise_check.pixel_groups(x_train, x_train[1:], kernel_variance)
+    assert digits_only["never"][2] == 0.0 and digits_only["rarely"][2] == 0.0
