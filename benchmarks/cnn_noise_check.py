@@ -22,9 +22,9 @@ variance); if the mean network is confident too, the means learnt under the ELBO
 same defaults) instead, and adds where its first layer's weight noise comes from: its weights
 grouped by how often their pixel is non-zero in the training images (never, in under 1% of
 them, more often), each group's median posterior variance, and its share of the layer's
-weight-noise variance on digits and on noise. A CNN shares every kernel weight across
-positions, so none of its weights is left to the prior by pixels that the data never use; a
-dense network's weights on such pixels are.
+weight-noise variance on digits and on noise: a test of the hypothesis that weights left at
+the prior on pixels the digits never use give a dense network the uncertainty on noise that a
+CNN, sharing every kernel weight across positions, cannot have (BENCHMARKS.md: ruled out).
 """
 
 import argparse
