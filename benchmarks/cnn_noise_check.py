@@ -101,7 +101,8 @@ def main(argv=None):
         logits = {name: network.predict(data, verbose=0) for name, data in
                   (("digits", x_test[: args.rows]), ("noise", noise))}
         p = {name: softmax(v, axis=-1) for name, v in logits.items()}
-        print(f"{name_of_network}: entropy digits {entropy(p['digits']).mean():.3f}, noise {entropy(p['noise']).mean():.3f}; "
+        print(f"{name_of_network}: entropy digits {entropy(p['digits']).mean():.3f}, "
+              f"noise {entropy(p['noise']).mean():.3f}; "
               f"largest logit (median) digits {np.median(logits['digits'].max(-1)):.1f}, noise "
               f"{np.median(logits['noise'].max(-1)):.1f}; AUROC {auroc(p['digits'], p['noise']):.3f}")
     print(f"{label} closed-form logit means: largest (median) on noise {np.median(logit_means['noise'].max(-1)):.1f}")
