@@ -21,9 +21,11 @@ Protocol (fixed before any test score was seen):
   (`Conv2DMCVI` / `DenseMCVI`, 2 kernel draws per step, 20 at test time), and the dense rows
   `dense100` / `dense800` (784-100-100-10 and 784-800-800-10 keras-dvi networks with the
   defaults, against the TAGI paper's Table 2; `dense100_tempered` / `dense800_tempered` with the
-  tempered recipe); `dvi_ensemble` (5 `dvi` networks, seeds as the plain ensemble's, their
-  `keras_dvi.predict` probabilities averaged: added later, as a remedy for the defaults'
-  confidence on uniform noise after 20 epochs).
+  tempered recipe; `dense100_plain` / `dense800_plain`: plain Keras networks of the same
+  shapes, added later to separate the objective from the shape and budget); `dvi_ensemble`
+  (5 `dvi` networks, seeds as the plain ensemble's, their `keras_dvi.predict` probabilities
+  averaged: added later, as a remedy for the defaults' confidence on uniform noise after 20
+  epochs).
 * evaluation sets: the clean test set; rotations from 0 to 180 degrees in 15-degree steps
   (`scipy.ndimage.rotate(reshape=False)`, clipped to [0, 1]); Gaussian pixel noise of sd 0.1,
   0.2 and 0.4 (clipped); out of distribution: uniform-noise images against the clean test
@@ -53,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from classification import auroc, scores  # noqa: E402 - the same metrics as the digits benchmark
 
 METHODS = ("plain", "dropout", "ensemble", "flipout", "dvi", "dvi_tempered", "dvi_ensemble", "mcvi", "dense100",
-           "dense800", "dense100_tempered", "dense800_tempered")
+           "dense800", "dense100_tempered", "dense800_tempered", "dense100_plain", "dense800_plain")
 ROTATIONS = tuple(range(0, 181, 15))
 NOISE_SDS = (0.1, 0.2, 0.4)
 BATCH = 128
@@ -109,6 +111,18 @@ def plain_cnn(classes, dropout=0.0):
         layers.append(keras.layers.Dropout(dropout))
     layers.append(keras.layers.Dense(classes))
     model = keras.Sequential(layers)
+    model.compile(keras.optimizers.Adam(LEARNING_RATE),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def plain_dense(classes, width):
+    """A plain Keras 784-`width`-`width`-`classes` ReLU network, trained as `plain_cnn`."""
+    import keras
+
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(width, activation="relu"), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(classes)])
     model.compile(keras.optimizers.Adam(LEARNING_RATE),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -184,12 +198,15 @@ def train(method, x, y, classes, seed, epochs):
 
     keras.utils.set_random_seed(seed)
     start = time.time()
-    if method in ("plain", "dropout", "ensemble"):
+    if method in ("plain", "dropout", "ensemble", "dense100_plain", "dense800_plain"):
         members = ENSEMBLE_SIZE if method == "ensemble" else 1
         models = []
         for member in range(members):
             keras.utils.set_random_seed(seed + 1000 * member)
-            model = plain_cnn(classes, DROPOUT_RATE if method == "dropout" else 0.0)
+            if method.endswith("_plain"):
+                model = plain_dense(classes, 100 if method.startswith("dense100") else 800)
+            else:
+                model = plain_cnn(classes, DROPOUT_RATE if method == "dropout" else 0.0)
             model.fit(x, y, epochs=epochs, batch_size=BATCH, verbose=0)
             models.append(model)
         seconds = time.time() - start

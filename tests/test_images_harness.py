@@ -62,3 +62,17 @@ def test_pixel_groups_split_the_weight_noise_by_how_often_pixels_are_used():
     assert (count, median) == (2, 0.5) and np.isclose(share, 2.0 / total)
     digits_only = cnn_noise_check.pixel_groups(x_train, x_train[1:], kernel_variance)
     assert digits_only["never"][2] == 0.0 and digits_only["rarely"][2] == 0.0
+
+
+def test_plain_dense_rows_are_the_dvi_dense_rows_shape_without_the_bayesian_layers():
+    """`images.py --methods dense100_plain`: a plain Keras 784-100-100-10 network (as many
+    weights as the DVI row's means), trained and predicting probabilities."""
+    model = images.plain_dense(10, 100)
+    dvi = images.keras_dvi_cnn("dense100", 10, 100)
+    assert model.count_params() == sum(int(np.prod(layer.kernel_mean.shape)) + int(np.prod(layer.bias_mean.shape))
+                                       for layer in dvi.layers if hasattr(layer, "kernel_mean"))
+    x = np.random.default_rng(0).uniform(0, 1, (64, 28, 28, 1)).astype("float32")
+    predict, _ = images.train("dense100_plain", x, np.arange(64) % 10, 10, 0, 1)
+    probabilities = predict(x[:5])
+    assert probabilities.shape == (5, 10)
+    np.testing.assert_allclose(probabilities.sum(-1), 1.0, rtol=1e-5)
