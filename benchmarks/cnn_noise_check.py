@@ -108,10 +108,9 @@ def main(argv=None):
     print(f"{label} closed-form logit means: largest (median) on noise {np.median(logit_means['noise'].max(-1)):.1f}")
     if args.network != "cnn":
         first = next(layer for layer in model.layers if isinstance(layer, kd.DenseDiagDVI))
-        kernel_mean, kernel_variance = (np.asarray(keras.ops.convert_to_numpy(t))
-                                        for t in (first.kernel_mean, first.kernel_variance))
+        kernel_variance = np.asarray(keras.ops.convert_to_numpy(first.kernel_variance))
         prior = float(keras.ops.convert_to_numpy(first.regularizer.optimal_prior_variance(
-            first.kernel_mean, first.kernel_variance, kernel_mean.shape[0])))
+            first.kernel_mean, first.kernel_variance, kernel_variance.shape[0])))
         print(f"first layer: empirical Bayes prior variance {prior:.2e}")
         for name, data in (("digits", x_test[: args.rows]), ("noise", noise)):
             for group, (count, median_variance, share) in pixel_groups(x, data, kernel_variance).items():

@@ -121,8 +121,8 @@ def plain_dense(classes, width):
     import keras
 
     model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(width, activation="relu"), keras.layers.Dense(width, activation="relu"),
-                              keras.layers.Dense(classes)])
+                              keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(width, activation="relu"), keras.layers.Dense(classes)])
     model.compile(keras.optimizers.Adam(LEARNING_RATE),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
