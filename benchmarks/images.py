@@ -116,6 +116,11 @@ def plain_cnn(classes, dropout=0.0):
     return model
 
 
+def dense_width(method):
+    """The hidden width of a dense row: `dense800_tempered` -> 800."""
+    return int(method.split("_")[0][len("dense"):])
+
+
 def plain_dense(classes, width):
     """A plain Keras 784-`width`-`width`-`classes` ReLU network, trained as `plain_cnn`."""
     import keras
@@ -168,7 +173,7 @@ def keras_dvi_cnn(method, classes, num_train):
         ]
         loss = kd.SampledSoftmaxELL()
     elif method.startswith("dense"):
-        width = 100 if method.startswith("dense100") else 800
+        width = dense_width(method)
         layers = [keras.Input((28, 28, 1)), keras.layers.Flatten(),
                   kd.DenseDiagDVI(width, "relu", regularizer=prior), kd.DenseDiagDVI(width, "relu", regularizer=prior),
                   kd.DenseDVI(classes, regularizer=prior)]
@@ -204,7 +209,7 @@ def train(method, x, y, classes, seed, epochs):
         for member in range(members):
             keras.utils.set_random_seed(seed + 1000 * member)
             if method.endswith("_plain"):
-                model = plain_dense(classes, 100 if method.startswith("dense100") else 800)
+                model = plain_dense(classes, dense_width(method))
             else:
                 model = plain_cnn(classes, DROPOUT_RATE if method == "dropout" else 0.0)
             model.fit(x, y, epochs=epochs, batch_size=BATCH, verbose=0)

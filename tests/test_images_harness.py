@@ -67,6 +67,7 @@ def test_pixel_groups_split_the_weight_noise_by_how_often_pixels_are_used():
 def test_plain_dense_rows_are_the_dvi_dense_rows_shape_without_the_bayesian_layers():
     """`images.py --methods dense100_plain`: a plain Keras 784-100-100-10 network (as many
     weights as the DVI row's means), trained and predicting probabilities."""
+    assert [images.dense_width(m) for m in ("dense100", "dense800_tempered", "dense800_plain")] == [100, 800, 800]
     model = images.plain_dense(10, 100)
     dvi = images.keras_dvi_cnn("dense100", 10, 100)
     assert model.count_params() == sum(int(np.prod(layer.kernel_mean.shape)) + int(np.prod(layer.bias_mean.shape))
