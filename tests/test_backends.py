@@ -61,6 +61,9 @@ JAX_SUITE = [
     "tests/test_conv.py::test_small_cnn_end_to_end_matches_monte_carlo[0.3-28-pre]",
     # TAGI: exactness, the paper's equations, the toy, fit / save / load (stateless steps)
     "tests/test_tagi.py",
+    # the TAGI MNIST harness's compiled engine (JAX only): fit's weights, early stopping read off the curves
+    "tests/test_tagi_mnist_harness.py::test_compiled_epoch_gives_fits_weights",
+    "tests/test_tagi_mnist_harness.py::test_compiled_seeds_read_early_stopping_off_their_curves",
 ]
 JAX_SUITE_TEST = "tests/test_backends.py::test_suite_runs_on_the_jax_backend"
 JAX_SUITE_TIMEOUT = 1500  # seconds
