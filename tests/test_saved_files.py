@@ -5,7 +5,8 @@ and files from before the `"auto"` warm-up (with `kl_step`, without `kl_warmup_l
 The files `tests/data/v0.1.0.dev0_*` were written at commit a14b115 by training small
 regression, MCVI and global-inducing networks (`v0.1.0.dev0_expected.npz`: their inputs and
 predictions); `tests/data/v0.1.0.dev0-kl_step_*` at commit 78098a0 by training a regression
-network for 4 steps with the then-default 3,000-step warm-up."""
+network for 4 steps with the then-default 3,000-step warm-up; `tests/data/v0.1.0.dev0-tagi_*` at
+commit 9b46395, a TAGI classifier from before it logged `observation_nll`."""
 
 import os
 
@@ -63,3 +64,15 @@ def test_a_file_from_before_the_auto_warm_up_resumes_its_schedule():
     assert float(to_numpy(layer.kl_weight_value(training=True))) == pytest.approx(5 / 3000)
     model.fit(expected["x"], expected["y"], epochs=1, batch_size=8, verbose=0)
     assert float(to_numpy(layer.kl_step)) == 6.0
+
+
+def test_a_tagi_classifier_from_before_observation_nll_loads_and_logs_it():
+    model = keras.saving.load_model(os.path.join(DATA, "v0.1.0.dev0-tagi_classifier.keras"), safe_mode=True)
+    expected = np.load(os.path.join(DATA, "v0.1.0.dev0-tagi_expected.npz"))
+    assert isinstance(model, kd.TAGIModel) and model.classes == 4
+    np.testing.assert_allclose(model.predict(expected["x"], verbose=0), expected["outputs"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kd.predict(model, expected["x"])["probabilities"], expected["probabilities"],
+                               rtol=1e-5, atol=1e-7)
+    logs = model.evaluate(expected["x"], expected["labels"], verbose=0, return_dict=True)
+    assert set(logs) == {"nll", "accuracy", "observation_nll"} and np.isfinite(list(logs.values())).all()
+    model.fit(expected["x"], expected["labels"], batch_size=8, epochs=1, verbose=0)  # trains on
