@@ -266,3 +266,23 @@ def test_noise_grid_analysis_recovers_a_gaussian_score():
     assert grid.analyse_split({"cv_ll": refined, "observation_noise": 0.237}) == row  # reads the grid's points only
     cv["0.1"] -= 0.5  # the fit itself changes with sigma_V at the third point
     assert grid.analyse_split({"cv_ll": cv, "observation_noise": chosen})["check"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("noise, guard, acts", [(1.0, "shrink", False), (0.01, "cap", True)])
+def test_guard_check_reports_whether_a_guard_acts(folder, tmp_path, noise, guard, acts):
+    """`tagi_guard_check.py` trains a split with and without a guard: identical weights where the
+    guard never acts (the variance guard, at a large sigma_V), different where it does (the
+    cap, at a tiny sigma_V, whose updates are large)."""
+    from benchmarks import tagi_guard_check
+
+    name = os.path.basename(os.path.normpath(folder))
+    cache = tmp_path / "results" / name / "tagi"
+    cache.mkdir(parents=True)
+    (cache / "split_0.json").write_text(json.dumps({"observation_noise": noise}))
+    out = tmp_path / "lines.txt"
+    tagi_guard_check.main(["--data", folder, "--splits", "0", "--guard", guard, "--results", str(tmp_path / "results"),
+                           "--out", str(out)])
+    line = out.read_text().strip()
+    assert line.startswith(f"{name} split 0 (sigma_V {noise}, test rows)")
+    difference = float(line.rsplit(" ", 1)[1])
+    assert (difference > 1e-3) if acts else (difference == 0.0)
