@@ -513,15 +513,19 @@ def test_fit_takes_tf_data_and_callbacks():
                                rtol=1e-4, atol=1e-5)
 
 
-def test_classification_trains_on_digits():
+def _digits_classifier():
+    """The digits (pixels / 16) and a compiled 64-100-tree TAGI classifier: `(x, y, model)`."""
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    units, _ = tagi.tree(10)
-    network = keras.Sequential([keras.Input((64,)), kd.DenseDiagDVI(100, "relu"), kd.DenseDiagDVI(units)])
+    network = keras.Sequential([keras.Input((64,)), kd.DenseDiagDVI(100, "relu"), kd.DenseDiagDVI(tagi.tree(10)[0])])
     model = kd.TAGIModel(network, observation_noise=0.3, classes=10, seed=0)
     model.compile()
+    return (x / 16.0).astype("float32"), y, model
+
+
+def test_classification_trains_on_digits():
+    x, y, model = _digits_classifier()
     history = model.fit(x[:1400], y[:1400], batch_size=10, epochs=2, verbose=0)
     assert history.history["accuracy"][-1] > 0.9
     out = kd.predict(model, x[1400:])
@@ -534,14 +538,7 @@ def test_classification_logs_the_marginal_likelihood_of_the_tree_observations():
     """`observation_nll` is minus the log Gaussian density of each label's path observations
     (scipy, node by node, with the output variances plus sigma_V^2), and early stopping on its
     validation value (the paper's criterion) stops and restores the best posterior."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
-    units, paths = tagi.tree(10)
-    network = keras.Sequential([keras.Input((64,)), kd.DenseDiagDVI(100, "relu"), kd.DenseDiagDVI(units)])
-    model = kd.TAGIModel(network, observation_noise=0.3, classes=10, seed=0)
-    model.compile()
+    x, y, model = _digits_classifier()
     stop = keras.callbacks.EarlyStopping(monitor="val_observation_nll", mode="min", patience=1,
                                          restore_best_weights=True)
     history = model.fit(x[:300], y[:300], batch_size=10, epochs=40, verbose=0, callbacks=[stop],
@@ -552,7 +549,7 @@ def test_classification_logs_the_marginal_likelihood_of_the_tree_observations():
     logs = model.evaluate(x[1000:1400], y[1000:1400], verbose=0, return_dict=True)
     np.testing.assert_allclose(logs["observation_nll"], min(val), rtol=1e-4, atol=1e-5)  # the best restored
     out = np.asarray(model.predict(x[1400:], verbose=0), "float64")
-    signs = np.asarray(paths, "float64")[y[1400:]]  # +-1 on each label's path, 0 off it
+    signs = np.asarray(tagi.tree(10)[1], "float64")[y[1400:]]  # +-1 on each label's path, 0 off it
     density = stats.norm.logpdf(signs, out[:, 0], np.sqrt(out[:, 1] + 0.3**2))
     want = -np.mean(np.sum(np.where(signs != 0, density, 0.0), axis=1))
     got = model.evaluate(x[1400:], y[1400:], verbose=0, return_dict=True)["observation_nll"]
