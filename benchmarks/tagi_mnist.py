@@ -304,7 +304,7 @@ def run_seeds_compiled(width, batch, seeds, noise, data, args, deadline=None):
             "seconds_per_epoch": float(np.mean(seconds)), "num_fit": len(fit), "epoch_seconds": seconds,
             "engine": "compiled", "runs_per_program": len(seeds), "backend": keras.backend.backend(),
             "device": _device(), "validation_scores": v, "test_scores": t,
-            "stopped_by_deadline": run == len(v) < args.max_epochs and not patience_ran_out(curve, args.patience)})
+            "stopped_by_deadline": len(v) < args.max_epochs and not patience_ran_out(curve, args.patience)})
     return records
 
 

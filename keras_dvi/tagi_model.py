@@ -214,23 +214,30 @@ class TAGIModel(keras.Model):
     def _forward(self, params, x):
         return tagi.forward(self._inputs(x), params, self._steps, self.forward)
 
-    def _scores(self, mz, sz, y):
+    def _observations(self, y, mz):
+        """`(targets, observed)` as the output units see them: regression targets shaped like
+        `mz` (every unit observed: `None`); classification `+-1` on each label's tree path and
+        the 0/1 mask of the path's nodes."""
+        if self.task == CLASSIFICATION:
+            targets, observed = tagi.tree_targets(ops.reshape(y, (-1,)), self._paths)
+            return ops.cast(targets, mz.dtype), ops.cast(observed, mz.dtype)
+        return ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz)), None
+
+    def _scores(self, mz, sz, y, observations=None):
         """Per-example scores of the targets, in the order of `self.metrics`: the negative log
         predictive density; for classification also the correctness and the negative log
-        marginal likelihood of the tree observations (`None` where not logged)."""
-        noise_var = self.observation_noise**2
+        marginal likelihood of the tree observations (`None` where not logged).
+        `observations`: `self._observations(y, mz)` where already computed."""
+        targets, observed = self._observations(y, mz) if observations is None else observations
+        density = predictive.gaussian_log_density(targets, mz, sz + self.observation_noise**2)
         if self.task == CLASSIFICATION:
             probs = tagi.class_probabilities(mz, sz, self._paths)
             labels = ops.cast(ops.reshape(y, (-1,)), "int32")
             true = ops.take_along_axis(probs, labels[:, None], axis=1)[:, 0]
             nll = -ops.log(ops.maximum(true, 1e-30))
             correct = ops.cast(ops.argmax(probs, axis=-1) == labels, mz.dtype)
-            targets, observed = tagi.tree_targets(labels, self._paths)
-            density = predictive.gaussian_log_density(ops.cast(targets, mz.dtype), mz, sz + noise_var)
-            return nll, correct, -ops.sum(ops.cast(observed, mz.dtype) * density, axis=-1)
-        y = ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz))
-        nll = -predictive.gaussian_log_density(y, mz, sz + noise_var)
-        return ops.sum(nll, axis=-1), None, None
+            return nll, correct, -ops.sum(observed * density, axis=-1)
+        return -ops.sum(density, axis=-1), None, None
 
     def _step(self, values, x, y):
         """TAGI's update of one batch on the values of `self.trainable_variables`: returns the
@@ -238,14 +245,9 @@ class TAGIModel(keras.Model):
         indices = self._variable_indices()
         params = self._params(values, indices)
         caches, (mz, sz, slope) = self._forward(params, x)
-        scores = self._scores(mz, sz, y)
-        noise_var = self.observation_noise**2
-        if self.task == CLASSIFICATION:
-            targets, observed = tagi.tree_targets(ops.reshape(y, (-1,)), self._paths)
-            dm, ds = tagi.observation_deltas(mz, sz, ops.cast(targets, mz.dtype), noise_var,
-                                             ops.cast(observed, mz.dtype))
-        else:
-            dm, ds = tagi.observation_deltas(mz, sz, ops.reshape(ops.cast(y, mz.dtype), ops.shape(mz)), noise_var)
+        observations = self._observations(y, mz)
+        scores = self._scores(mz, sz, y, observations)
+        dm, ds = tagi.observation_deltas(mz, sz, observations[0], self.observation_noise**2, observations[1])
         new_params = tagi.update(params, caches, self._steps, dm, ds, max_step=self._max_step)
         new_values = list(values)
         for idx, (km, kv, bm, bv) in zip(indices, new_params):

@@ -13,7 +13,7 @@ from benchmarks import tagi_mnist
 jax_only = pytest.mark.skipif(keras.backend.backend() != "jax", reason="the compiled engine is JAX's")
 
 
-def _digits_like(rows, seed=0):
+def _class_clusters(rows, seed=0):
     """Ten noisy class centres in 784 dimensions: `(x, y)`."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(10, 784))
@@ -22,10 +22,7 @@ def _digits_like(rows, seed=0):
 
 
 def test_early_stopping_keeps_the_best_validation_epoch_and_the_first_epoch(monkeypatch):
-    rng = np.random.default_rng(0)
-    centres = rng.normal(size=(10, 784))
-    y = rng.integers(0, 10, 400)
-    x = (centres[y] + 2.0 * rng.normal(size=(400, 784))).astype("float32")
+    x, y = _class_clusters(400)
     data = (x[:300], y[:300], x[300:], y[300:])
     tests = []
     real = tagi_mnist.evaluate
@@ -59,7 +56,7 @@ def test_prior_option_is_parsed_and_refused_at_the_command_line():
 def test_scores_match_scipy_on_the_tree_observations():
     """`scores`' likelihood is the Gaussian density of each row's path observations (scipy's
     logpdf, node by node), its error and NLL those of `keras_dvi.predict`'s probabilities."""
-    x, y = _digits_like(40)
+    x, y = _class_clusters(40)
     model = tagi_mnist.tagi_model(16, 0.3, 0)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     got = tagi_mnist.scores(model, x, y)
@@ -75,7 +72,7 @@ def test_scores_match_scipy_on_the_tree_observations():
 
 
 def test_early_stopping_on_the_validation_likelihood():
-    x, y = _digits_like(300)
+    x, y = _class_clusters(300)
     data = (x[:240], y[:240], x[240:], y[240:])
     args = argparse.Namespace(forward="linearized", init="xavier", max_epochs=5, patience=1, stop_on="likelihood")
     record = tagi_mnist.run_seed(16, 10, 0, 0.3, data, args)
@@ -99,7 +96,7 @@ def test_patience_and_best_epoch_on_a_hand_made_curve():
 def test_compiled_epoch_gives_fits_weights():
     """Two runs in one compiled program end where `fit` ends each of them, given the same batches
     in the same order (a smaller last batch included)."""
-    x, y = _digits_like(40)
+    x, y = _class_clusters(40)
     rng = np.random.default_rng(1)
     orders = [rng.permutation(40)[:20], rng.permutation(40)[:20]]
     models = [tagi_mnist.tagi_model(16, 0.3, seed) for seed in (0, 1)]
@@ -116,8 +113,8 @@ def test_compiled_epoch_gives_fits_weights():
 
 @jax_only
 def test_compiled_seeds_read_early_stopping_off_their_curves():
-    x, y = _digits_like(300)
-    data = (x, y, *_digits_like(100, seed=1))
+    x, y = _class_clusters(300)
+    data = (x, y, *_class_clusters(100, seed=1))
     args = argparse.Namespace(forward="linearized", init="xavier", max_epochs=6, patience=1, stop_on="likelihood")
     records = tagi_mnist.run_seeds_compiled(16, 5, [0, 1], 0.3, data, args)
     assert [r["seed"] for r in records] == [0, 1] and records[0]["num_fit"] == 285
