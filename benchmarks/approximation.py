@@ -1,6 +1,6 @@
 """How good is the Gaussian approximation? The paper's Figure 3 / Appendix C as a script.
 
-    python benchmarks/approximation.py --out benchmarks/approximation_results.md
+    python benchmarks/approximation.py --out benchmarks/results/approximation.md
 
 For each network (width 5, 25, 125; depth 2 and 5 ReLU layers: plain `DenseDVI` stacks, or a
 linear `DenseDVI` followed by that many `SkipDVI` residual blocks; heteroscedastic 2-unit head; empirical Bayes) on the

@@ -34,6 +34,15 @@ Protocol (fixed before any result was seen, the same for every method):
 * metrics: accuracy, NLL (mean negative log probability of the label), ECE (15 equal-width
   bins of the top-class confidence), Brier score (sum over classes), AUROC, seconds per epoch.
 
+The ablations behind the classifier defaults (`--validation`) vary, for keras-dvi methods: the
+prior (`--prior`: empirical Bayes, a fixed `N(0, v)`, a fixed `N(0, c / fan_in)`, empirical Bayes
+with its variance floored at `c / fan_in`), the KL weight (a number, or `--kl-weight-rule data`:
+`min(1, N / P)` for `N` training rows and `P` weights), the initialisation (`--init plain`: the
+posterior means of a plain network of the same shape trained `--init-epochs` first, converted
+with `keras_dvi.convert`), a Bayesian last layer (`--body plain`), and, for every method, the
+hidden widths (`--hidden`) and epochs (`--epochs`). Records keep the training rows' `nll` and
+`kl` at the end (`-ELBO / N = nll + kl` of the stated prior at KL weight 1).
+
 Results are cached per method (and recipe) and split as JSON in `--results`, so an interrupted
 run resumes; `--jobs 2` runs two at a time. Every run rewrites `summary.md` next to the cache
 from all cached results (mean and standard error over splits).
@@ -138,41 +147,99 @@ def auroc(in_probs, out_probs):
 # ---------------------------------------------------------------- methods
 
 
+def _hidden(args):
+    return tuple(getattr(args, "hidden", None) or HIDDEN)
+
+
+def _epochs(args):
+    return getattr(args, "epochs", None) or EPOCHS
+
+
+def make_prior(num_train, fan_in, args):
+    """The prior of one layer with `fan_in` inputs (`--prior`, `--kl-weight`, `--kl-warmup-steps`,
+    `--prior-beta`)."""
+    from keras import ops
+
+    import keras_dvi as kd
+
+    settings = {}
+    if args.kl_weight is not None:
+        settings["kl_weight"] = args.kl_weight
+    if args.kl_warmup_steps is not None:
+        settings["kl_warmup_steps"] = args.kl_warmup_steps
+    kind, _, value = (getattr(args, "prior", None) or "eb").partition(":")
+    if kind == "gauss":
+        return kd.GaussianPriorRegularizer(num_train, variance=float(value), **settings)
+    if kind == "fanin":
+        return kd.GaussianPriorRegularizer(num_train, variance=float(value) / fan_in, **settings)
+    if getattr(args, "prior_beta", None) is not None:
+        settings["beta"] = args.prior_beta
+    if kind == "ebfloor":
+        floor = float(value)
+
+        class Floored(kd.EmpiricalBayesRegularizer):
+            """Empirical Bayes with the prior variance floored at `floor / fan_in`."""
+
+            def optimal_prior_variance(self, mean, variance, fan_in):
+                return ops.maximum(super().optimal_prior_variance(mean, variance, fan_in), floor / fan_in)
+
+        return Floored(num_train, **settings)
+    return kd.EmpiricalBayesRegularizer(num_train, **settings)
+
+
 def keras_dvi_network(method, num_train, classes, args, features=64):
     import keras
 
     import keras_dvi as kd
 
-    prior_args = {}
-    if args.kl_weight is not None:
-        prior_args["kl_weight"] = args.kl_weight
-    if args.kl_warmup_steps is not None:
-        prior_args["kl_warmup_steps"] = args.kl_warmup_steps
-    if getattr(args, "prior_beta", None) is not None:
-        prior_args["beta"] = args.prior_beta
-    prior = kd.EmpiricalBayesRegularizer(num_train, **prior_args)
+    hidden = _hidden(args)
     scale = getattr(args, "variance_scale", None)
-    fan_ins = (features,) + HIDDEN
+    fan_ins = (features,) + hidden
+
+    def prior(layer):
+        return make_prior(num_train, fan_ins[layer], args)
 
     def variance(layer):  # the initial posterior variance: the layers' default unless --variance-scale
         return {} if scale is None else {"kernel_variance_init": scale / fan_ins[layer]}
 
     if method in CNN_METHODS:
-        return _cnn(method, classes, features, prior, args)
+        return _cnn(method, classes, features, prior(0), args)
     layers = [keras.Input((features,))]
     if method == "mcvi":
-        layers += [kd.DenseMCVI(w, "relu", regularizer=prior, **variance(i)) for i, w in enumerate(HIDDEN)]
-        layers.append(kd.DenseMCVI(classes, regularizer=prior, **variance(len(HIDDEN))))
+        layers += [kd.DenseMCVI(w, "relu", regularizer=prior(i), **variance(i)) for i, w in enumerate(hidden)]
+        layers.append(kd.DenseMCVI(classes, regularizer=prior(len(hidden)), **variance(len(hidden))))
         loss = kd.SampledSoftmaxELL()
     else:
         body = kd.DenseDiagDVI
         head = kd.DenseDiagDVI if method == "ddvi" else kd.DenseDVI
-        layers += [body(w, "relu", regularizer=prior, **variance(i)) for i, w in enumerate(HIDDEN)]
-        layers.append(head(classes, regularizer=prior, **variance(len(HIDDEN))))
+        if getattr(args, "body", None) == "plain":  # a Bayesian last layer
+            layers += [keras.layers.Dense(w, "relu") for w in hidden]
+        else:
+            layers += [body(w, "relu", regularizer=prior(i), **variance(i)) for i, w in enumerate(hidden)]
+        layers.append(head(classes, regularizer=prior(len(hidden)), **variance(len(hidden))))
         loss = kd.SoftmaxDeltaELL() if args.loss_method is None else kd.SoftmaxDeltaELL(method=args.loss_method)
     model = keras.Sequential(layers)
+    _apply_kl_weight_rule(model, num_train, args)
     model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=loss)
     return model
+
+
+def weight_count(model):
+    """The number of weights (kernels and biases) of a model's keras-dvi layers."""
+    import keras_dvi as kd
+
+    return sum(int(np.prod(v.shape)) for layer in model.layers if isinstance(layer, kd.layers.BayesianLayer)
+               for v in (layer.kernel_mean, layer.bias_mean) if v is not None)
+
+
+def _apply_kl_weight_rule(model, num_train, args):
+    """`--kl-weight-rule data`: every prior's KL weight `min(1, N / P)`."""
+    if getattr(args, "kl_weight_rule", None) != "data":
+        return
+    weight = min(1.0, num_train / weight_count(model))
+    for layer in model.layers:
+        if getattr(layer, "regularizer", None) is not None:
+            layer.regularizer.kl_weight = weight
 
 
 def _cnn(method, classes, features, prior=None, args=None):
@@ -185,7 +252,7 @@ def _cnn(method, classes, features, prior=None, args=None):
     side = int(round(math.sqrt(features)))
     shape = (features, 1) if rank == 1 else (side, side, 1)
     layers = [keras.Input((features,)), keras.layers.Reshape(shape)]
-    if prior is None:
+    if prior is None:  # the plain network
         conv, pool = (keras.layers.Conv1D, keras.layers.MaxPooling1D) if rank == 1 else (keras.layers.Conv2D,
                                                                                          keras.layers.MaxPooling2D)
         layers += [conv(32, 3, padding="same", activation="relu"), pool(2),
@@ -205,11 +272,11 @@ def _cnn(method, classes, features, prior=None, args=None):
     return model
 
 
-def plain_network(classes, dropout=0.0, features=64):
+def plain_network(classes, dropout=0.0, features=64, hidden=HIDDEN):
     import keras
 
     layers = [keras.Input((features,))]
-    for width in HIDDEN:
+    for width in hidden:
         layers.append(keras.layers.Dense(width, "relu"))
         if dropout:
             layers.append(keras.layers.Dropout(dropout))
@@ -236,8 +303,8 @@ def train(method, x, y, classes, seed, args):
             if method.startswith("cnn"):
                 model = _cnn(method, classes, x.shape[1])
             else:
-                model = plain_network(classes, DROPOUT_RATE if method == "dropout" else 0.0, x.shape[1])
-            model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0)
+                model = plain_network(classes, DROPOUT_RATE if method == "dropout" else 0.0, x.shape[1], _hidden(args))
+            model.fit(x, y, epochs=_epochs(args), batch_size=BATCH, verbose=0)
             models.append(model)
         seconds = time.time() - start
 
@@ -252,7 +319,14 @@ def train(method, x, y, classes, seed, args):
         predict.all = lambda inputs: {"default": predict(inputs)}
         return predict, seconds
     model = keras_dvi_network(method, len(x), classes, args, x.shape[1])
-    model.fit(x, y, epochs=EPOCHS, batch_size=BATCH, verbose=0)
+    if getattr(args, "init", None) == "plain":  # MOPED: the means of a trained plain network
+        plain = plain_network(classes, 0.0, x.shape[1], _hidden(args))
+        plain.fit(x, y, epochs=args.init_epochs, batch_size=BATCH, verbose=0)
+        converted = kd.convert(plain, regularizer=None)
+        for target, source in zip([l for l in model.layers if isinstance(l, kd.layers.BayesianLayer)],
+                                  [l for l in converted.layers if isinstance(l, kd.layers.BayesianLayer)]):
+            target.set_posterior(source.kernel_mean, target.kernel_variance, source.bias_mean)
+    model.fit(x, y, epochs=_epochs(args), batch_size=BATCH, verbose=0)
     seconds = time.time() - start
 
     def predict_all(inputs):
@@ -284,14 +358,15 @@ def run_one(method, split, args):
     x, y, x_eval, y_eval = load_split(split, args.validation, args.dataset)
     predict, seconds = train(method, x, y, int(y.max()) + 1, 1000 * split, args)
     record = {"method": method, "split": split, "validation": args.validation, "dataset": args.dataset,
-              "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / EPOCHS}
+              "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / _epochs(args)}
     if hasattr(predict, "model"):  # keras-dvi: what training reached, with the full KL weight
         model = predict.model
         logs = model.evaluate(x, y, verbose=0, return_dict=True)
         record["train_nll"], record["train_kl"] = logs.get("nll"), logs.get("kl")
         first = next(layer for layer in model.layers if getattr(layer, "regularizer", None) is not None)
         record["config"] = {"prior": first.regularizer.get_config(), "loss": model.loss.get_config(),
-                            "kl_warmup_length": int(keras.ops.convert_to_numpy(first.kl_warmup_length))}
+                            "kl_warmup_length": int(keras.ops.convert_to_numpy(first.kl_warmup_length)),
+                            "weights": weight_count(model), "num_train": len(x)}
     # Tabular data: clean scores only (no images to rotate, no 0-4 split).
     sets = _eval_sets(x_eval, split) if digits else {"clean": x_eval}
     by_set = {name: predict.all(inputs) for name, inputs in sets.items()}
@@ -323,13 +398,21 @@ def _eval_sets(x_eval, split):
 
 def recipe_label(method, args):
     """The cache folder of a method: its name, plus the recipe arguments that differ from the
-    library defaults (keras-dvi methods only), plus `_validation`."""
+    library defaults (keras-dvi methods only; the shape and budget for every method), plus
+    `_validation`."""
     parts = [method]
     if method in KERAS_DVI_METHODS:
-        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method", "variance_scale", "prior_beta"):
+        for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method", "variance_scale", "prior_beta",
+                     "prior", "kl_weight_rule", "body"):
             value = getattr(args, name, None)
             if value is not None:
                 parts.append(f"{name}={value}")
+        if getattr(args, "init", None) is not None:
+            parts.append(f"init={args.init}{args.init_epochs}")
+    if getattr(args, "hidden", None) and tuple(args.hidden) != HIDDEN:
+        parts.append("hidden=" + "x".join(str(w) for w in args.hidden))
+    if getattr(args, "epochs", None) and args.epochs != EPOCHS:
+        parts.append(f"epochs={args.epochs}")
     label = ",".join(parts)
     if getattr(args, "dataset", "digits") != "digits":
         label = f"{args.dataset}/{label}"
@@ -368,13 +451,15 @@ def summary_markdown(records):
         for prob_method, scored in r.get("by_prob_method", {}).items():
             groups.setdefault(f"{r['recipe']} [probs={prob_method}]", []).append(
                 dict(scored, seconds_per_epoch=r["seconds_per_epoch"]))
-    heads = [f"{k} {m}" if m else k for k, m in COLUMNS]
-    lines = ["| recipe | splits | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(COLUMNS)]
+    columns = [(k, m) for k, m in COLUMNS if any(k in r for r in records)] + \
+        [(k, None) for k in ("train_nll", "train_kl") if any(r.get(k) is not None for r in records)]
+    heads = [f"{k} {m}" if m else k for k, m in columns]
+    lines = ["| recipe | splits | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(columns)]
     for recipe in sorted(groups):
         rows = groups[recipe]
         cells = []
-        for key, metric in COLUMNS:
-            values = np.array([_value(r, key, metric) for r in rows])
+        for key, metric in columns:
+            values = np.array([np.nan if r.get(key) is None else _value(r, key, metric) for r in rows], dtype=float)
             se = values.std(ddof=1) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
             digits = 1 if key == "seconds_per_epoch" else 3
             cells.append(f"{values.mean():.{digits}f} ± {se:.{digits}f}")
@@ -400,6 +485,18 @@ def make_parser():
     parser.add_argument("--prior-beta", type=float, default=None,
                         help="beta of EmpiricalBayesRegularizer (default: the prior's, 10)")
     parser.add_argument("--prob-method", default=None, help="class_probabilities method (default: its default)")
+    parser.add_argument("--prior", default=None,
+                        help="keras-dvi methods: eb (default), gauss:V (N(0, V)), fanin:C (N(0, C / fan_in)), "
+                             "ebfloor:C (empirical Bayes, variance at least C / fan_in)")
+    parser.add_argument("--kl-weight-rule", choices=["data"], default=None,
+                        help="keras-dvi methods: data = KL weight min(1, N / P), N rows, P weights")
+    parser.add_argument("--init", choices=["plain"], default=None,
+                        help="keras-dvi methods: posterior means from a plain network trained --init-epochs first")
+    parser.add_argument("--init-epochs", type=int, default=20)
+    parser.add_argument("--body", choices=["plain"], default=None,
+                        help="keras-dvi dense methods: plain hidden layers under a Bayesian last layer")
+    parser.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden widths (default: 100 100)")
+    parser.add_argument("--epochs", type=int, default=None, help=f"training epochs (default: {EPOCHS})")
     parser.add_argument("--summary-only", action="store_true")
     return parser
 
@@ -422,7 +519,7 @@ def main(argv=None):
         for task in tasks:
             print(_line(_worker(task)), flush=True)
     records = []
-    for path in sorted(glob.glob(os.path.join(args.results, "*", "split_*.json"))):  # digits
+    for path in sorted(glob.glob(os.path.join(args.results, "**", "split_*.json"), recursive=True)):
         with open(path) as f:
             records.append(json.load(f))
     if records:

@@ -29,7 +29,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import keras_dvi as kd  # noqa: E402
 from keras_dvi import conv_moments  # noqa: E402
 from tests.test_conv import (  # noqa: E402 - the networks the tests check
     _benchmark_cnn, _compare, _images, _issue_cnn, _residual_cnn, _set_variances, _signal_cnn, _signals)

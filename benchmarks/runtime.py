@@ -1,6 +1,6 @@
 """Runtime benchmark: the paper's Figure 4 on this machine, plus whole-network training steps.
 
-    python benchmarks/runtime.py --out benchmarks/runtime_results.md
+    python benchmarks/runtime.py --out benchmarks/results/runtime.md
 
 1. Forward + backward time to propagate a batch of 10 through one `d x d` ReLU layer, for `d`
    from 16 to 1024: `DenseDVI` on a full-covariance input (the paper's setting: the layer

@@ -1,6 +1,6 @@
 """Toy benchmark: the main job's network with DVI / dDVI and empirical Bayes / fixed prior.
 
-Usage: python benchmarks/toy.py [--epochs 100] [--out benchmarks/toy_results.md]
+Usage: python benchmarks/toy.py [--epochs 100] [--out benchmarks/results/toy.md]
 Runs `python -m keras_dvi` in-process for the four combinations (same seed, same schedule)
 and writes a Markdown table of train/test log-likelihood, RMSE and training time.
 """
@@ -38,6 +38,6 @@ def run(epochs, out):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument("--out", default="benchmarks/toy_results.md")
+    parser.add_argument("--out", default="benchmarks/results/toy.md")
     args = parser.parse_args()
     run(args.epochs, args.out)

@@ -1,34 +1,31 @@
-"""keras-dvi: deterministic variational inference layers for Keras 3.
+"""keras-dvi: Bayesian neural network layers for Keras 3 that train like ordinary ones.
 
-Public API:
+Deterministic variational inference (Wu et al., ICLR 2019) propagates the mean and covariance
+of every activation in closed form; global inducing points (Ober & Aitchison, ICML 2021) give
+posteriors correlated across layers; TAGI (Goulet et al., JMLR 2021) trains the same Gaussian
+networks without gradients. The public API, by topic:
 
-* layers `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`, `HomoscedasticNoise`, and the
-  Monte Carlo baseline `DenseMCVI`;
-* convolutional layers `Conv1DDVI`, `Conv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
+* dense layers: `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`; regression heads
+  `HomoscedasticNoise`, `TargetScaling`;
+* convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
-  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, and the Monte Carlo baselines
-  `Conv1DMCVI`, `Conv2DMCVI`;
-* global inducing points: `GlobalInducingDense`, `SampledHomoscedasticNoise`, the losses
-  `SampledHeteroscedasticELL` / `SampledSoftmaxELL`, the priors `NealPrior` / `StandardPrior`,
-  `initialize_from_data(model, x, y)` and `set_sampling_seed(model, seed)`;
-* losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors `EmpiricalBayesRegularizer`,
-  `GaussianPriorRegularizer` (each with `num_train`, `kl_weight` and `kl_warmup_steps`);
-  `AfterKLWarmup(callback)`, which holds a stopping or learning-rate rule back until the KL
-  warm-up is over; the deprecated `KLWarmup` callback;
-* `predict(model, x)`: predictions as NumPy arrays (mean, std, epistemic and aleatoric parts,
-  intervals; or class probabilities and entropy);
-* `TAGIModel(network, observation_noise=..., classes=None)`: trains a network of `DenseDiagDVI`
-  layers without gradients, by TAGI's closed-form updates (module `tagi`: the maths);
-* `TargetScaling`: a regression head in the targets' own units;
-* `unpack(outputs)` -> `(mean, covariance or variance)` for any keras-dvi output;
-* `predict_samples(model, x, num_samples, seed=None)`: output samples `(batch, samples, units)` of
-  any keras-dvi model (for moment networks, the Monte Carlo reference over their weights); the
-  deprecated `sample_outputs` returns them sample-first;
-* modules `moments` (closed-form moment maths), `conv_moments` (the same for feature maps), `predictive` (predictive distributions and
-  metrics), `metrics` (Keras metrics for `compile`), `datasets` (bundled data).
+  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`;
+* the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
+  `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`; the callback wrapper `AfterKLWarmup`;
+  module `metrics` (Keras metrics for `compile`);
+* predictions: `predict(model, x)` (NumPy summaries), `predict_samples(model, x, num_samples)`,
+  `unpack(outputs)`; module `predictive` (predictive distributions and scores);
+* Monte Carlo layers: `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`, `GlobalInducingDense`,
+  `SampledHomoscedasticNoise`, losses `SampledHeteroscedasticELL`, `SampledSoftmaxELL`, priors
+  `NealPrior`, `StandardPrior`, `initialize_from_data`, `set_sampling_seed`;
+* training without gradients: `TAGIModel` (module `tagi`);
+* `convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
+  means;
+* the maths: modules `moments` (dense layers), `conv_moments` (feature maps), `inducing`
+  (global inducing posteriors), `tagi.maths`; `datasets` (the bundled toy data set).
 """
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 import importlib
 import sys
@@ -57,23 +54,21 @@ _EXPORTS = {
     "GlobalInducingDense": "keras_dvi.layers",
     "SampledHomoscedasticNoise": "keras_dvi.layers",
     "SampledHeteroscedasticELL": "keras_dvi.losses",
-    "SampledGaussianELL": "keras_dvi.losses",  # deprecated name
     "SampledSoftmaxELL": "keras_dvi.losses",
     "NealPrior": "keras_dvi.priors",
     "StandardPrior": "keras_dvi.priors",
     "initialize_from_data": "keras_dvi.global_inducing",
-    "predict_samples": "keras_dvi.global_inducing",
-    "set_sampling_seed": "keras_dvi.global_inducing",
+    "predict_samples": "keras_dvi.predictive",
+    "set_sampling_seed": "keras_dvi.sampling",
     "HeteroscedasticELL": "keras_dvi.losses",
     "SoftmaxDeltaELL": "keras_dvi.losses",
     "EmpiricalBayesRegularizer": "keras_dvi.priors",
     "GaussianPriorRegularizer": "keras_dvi.priors",
-    "KLWarmup": "keras_dvi.callbacks",
     "AfterKLWarmup": "keras_dvi.callbacks",
     "unpack": "keras_dvi.packing",
-    "predict": "keras_dvi.prediction",
-    "TAGIModel": "keras_dvi.tagi_model",
-    "sample_outputs": "keras_dvi.sampling",
+    "predict": "keras_dvi.predictive",
+    "convert": "keras_dvi.conversion",
+    "TAGIModel": "keras_dvi.tagi",
     "datasets": None,
     "metrics": None,
     "moments": None,

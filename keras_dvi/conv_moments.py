@@ -16,11 +16,8 @@ number, its *shared component* `s`:
 Why: a convolution applies the same random kernel at every position, so one weight draw moves
 all positions of a channel together. A per-position diagonal (`s = 0`) ignores that, and a
 layer that sums positions (pooling, global pooling, a dense layer after flatten) then adds
-variances that are in truth strongly correlated. Measured on MNIST-sized inputs (a conv 3x3 -
-ReLU - max pool - conv 3x3 - ReLU - global average pool - dense network, posterior variances
-0.3 / fan-in), the plain diagonal put the output variance at 0.64 of Monte Carlo and the means
-0.37 predictive standard deviations off; with the shared component 0.94 and 0.03
-(BENCHMARKS.md, "Convolutional networks"). Different channels' factors are taken to be
+variances that are in truth strongly correlated, and under-states the output variance.
+Different channels' factors are taken to be
 independent, and so are the factors a layer makes and the ones it receives (each layer
 re-expresses them as one factor per output channel, below).
 
@@ -47,8 +44,8 @@ re-expresses them as one factor per output channel, below).
   add coherently, the independent parts as independent variables).
 * flatten (`flatten_moments`): keeps each unit's mean and variance and drops the shared
   factors: the dense layer after it treats its inputs as independent, as every diagonal
-  keras-dvi layer does (measured: within 2% of Monte Carlo on the benchmark's CNN, where the
-  dense layers' own weight noise dominates the output variance).
+  keras-dvi layer does (the dense layers' own weight noise then dominates the output
+  variance).
 * residual addition (`add_moments`): the two branches are taken to be independent.
 """
 
@@ -80,7 +77,8 @@ def window_sum(x, window, strides=1, padding="valid", dilation_rate=1):
     a depthwise convolution with a kernel of ones."""
     rank = len(x.shape) - 2
     ones = ops.ones(_tuple(window, rank) + (x.shape[-1], 1), dtype=x.dtype)
-    return ops.depthwise_conv(x, ones, strides=strides, padding=padding, dilation_rate=dilation_rate)
+    return ops.depthwise_conv(x, ones, strides=strides, padding=padding, data_format="channels_last",
+                              dilation_rate=dilation_rate)
 
 
 def _coverage(size, window, stride, padding, dilation):
@@ -129,8 +127,7 @@ def _clip_to_sd(shared, variance):
     """`clip(s, -sqrt(v), sqrt(v))` (`v` floored), with the gradient written out: `s`'s where
     `|s| <= sqrt(v)`, else `sign(s) / (2 sqrt(v))` to `v` (none where `v` is floored). The
     same values and gradient as differentiating `ops.clip`, in two masked products instead of
-    its six broadcasting selects (TensorFlow's profiler put about 14 ms of a 277 ms DVI CNN step
-    on the first conv layer's clip alone)."""
+    its six broadcasting selects."""
     bound = ops.sqrt(ops.maximum(variance, moments.VARIANCE_FLOOR))
 
     def grad(upstream):
@@ -154,12 +151,15 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
         bias_variance: `(filters,)` or `None`.
         variance: `(batch, *spatial, in)` variances of `h`, or `None` (deterministic `h`).
         shared: `(batch, *spatial, in)` shared components of `h`, or `None` (none).
-        strides, padding, dilation_rate: as in `keras.ops.conv`.
+        strides: as in `keras.ops.conv`.
+        padding: `"valid"` or `"same"`, as in `keras.ops.conv`.
+        dilation_rate: as in `keras.ops.conv`.
 
     Returns:
         `(mean_a, variance_a, shared_a)`, each `(batch, *out_spatial, filters)`.
     """
-    conv = functools.partial(ops.conv, strides=strides, padding=padding, dilation_rate=dilation_rate)
+    conv = functools.partial(ops.conv, strides=strides, padding=padding, data_format="channels_last",
+                             dilation_rate=dilation_rate)
     axes = spatial_axes(mean)
     mean_a = conv(mean, kernel_mean)
     second = ops.square(mean) if variance is None else ops.square(mean) + variance
@@ -341,12 +341,10 @@ def max_pool_moments(mean, variance, shared, pool_size, strides, padding="valid"
     correlations `s_i s_j` from the shared components).
 
     Under JAX the recursion is a `keras.ops.scan` over the window's offsets; TensorFlow runs it
-    unrolled. XLA (JAX's compiler) fused the unrolled recursion's gradient with the gather of
-    the offsets' gradients back into the feature map and recomputed the recursion for every
-    element; the scan keeps each step's gradient in memory (measured, forward and backward of
-    a 128x26x26x32 map with the ReLU moments after it, two threads: 2x2 windows 147 ms unrolled
-    against 95 ms, 3x3 windows with stride 2 14.3 s against 0.18 s; TensorFlow unrolled 75 ms
-    and 0.28 s, with the scan 149 ms and 0.49 s).
+    unrolled. XLA (JAX's compiler) fuses the unrolled recursion's gradient with the gather of
+    the offsets' gradients back into the feature map and recomputes the recursion for every
+    element; the scan keeps each step's gradient in memory instead (the step costs are in
+    BENCHMARKS.md).
 
     Returns:
         `(mean, variance, shared)`, each `(batch, *out_spatial, channels)`.
@@ -416,7 +414,9 @@ def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilatio
         kernels: `(samples, *kernel_size, in, filters)`, one kernel per sample, shared by every
             position and example.
         bias: `(samples, filters)` or `None`.
-        strides, padding, dilation_rate: as in `keras.ops.conv`.
+        strides: as in `keras.ops.conv`.
+        padding: `"valid"` or `"same"`, as in `keras.ops.conv`.
+        dilation_rate: as in `keras.ops.conv`.
 
     Returns:
         `(samples, batch, *out_spatial, filters)`.
@@ -429,7 +429,8 @@ def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilatio
     x = ops.reshape(x, (-1,) + tuple(shape[1:rank + 1]) + (samples * channels,))
     kernel = ops.transpose(kernels, tuple(range(1, rank + 2)) + (0, rank + 2))  # (*kernel, in, samples, filters)
     kernel = ops.reshape(kernel, tuple(kernels.shape[1:rank + 1]) + (channels, samples * filters))
-    out = ops.conv(x, kernel, strides=strides, padding=padding, dilation_rate=dilation_rate)
+    out = ops.conv(x, kernel, strides=strides, padding=padding, data_format="channels_last",
+                   dilation_rate=dilation_rate)
     shape = ops.shape(out)
     out = ops.reshape(out, (-1,) + tuple(shape[1:rank + 1]) + (samples, filters))
     out = ops.transpose(out, (rank + 1, 0) + tuple(range(1, rank + 1)) + (rank + 2,))

@@ -1,17 +1,11 @@
-"""Model-level helpers for networks of `GlobalInducingDense` layers.
-
-* `initialize_from_data(model, x, y)`: the paper's initialisation (Ober & Aitchison 2021,
-  Appendix O): inducing inputs from training inputs, the output layer's pseudo-outputs from
-  the matching targets.
-* `predict_samples(model, x, num_samples)`: output samples `(n, num_samples, units)` of any
-  keras-dvi model (sampled models through `model.predict`, moment models by Monte Carlo over
-  their weights).
-"""
+"""`initialize_from_data`: the initialisation of networks of `GlobalInducingDense` layers
+(Ober & Aitchison 2021, Appendix O): inducing inputs from training inputs, the output layer's
+pseudo-outputs from the matching targets."""
 
 import keras
 import numpy as np
 
-from keras_dvi import network, sampling, validation
+from keras_dvi import network
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 
 
@@ -76,76 +70,3 @@ def initialize_from_data(model, x, y=None, seed=None):
     pseudo = keras.ops.convert_to_numpy(output.pseudo_outputs).copy()
     pseudo[:take] = y
     output.pseudo_outputs.assign(pseudo.astype(output.pseudo_outputs.dtype))
-
-
-def sampling_layer(model):
-    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
-    setting: `GlobalInducingDense`, `DenseMCVI`), or `None` for a moment-propagating model."""
-    for layer in network.layers_of(model):
-        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
-            return layer
-    return None
-
-
-def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None):
-    """Output samples of any keras-dvi model, as a NumPy array `(n, num_samples, units)`.
-
-    * A sampled model (`GlobalInducingDense` or `DenseMCVI` layers): `model.predict(x)` with
-      the sample count of its first such layer set to `num_samples` for this call (the
-      model's own setting is restored afterwards). `seed` first restarts its layers' draws
-      (`set_sampling_seed`).
-    * A moment-propagating model (`DenseDVI`, `DenseDiagDVI`, `SkipDVI`, ...): the Monte
-      Carlo reference, every keras-dvi layer running ordinary forward passes with weights
-      drawn from its posterior (`keras_dvi.sampling.weight_samples`; the same weights for
-      every row of `x`, so each sample is one function); `seed` seeds the draws.
-
-    The result is ready for `keras_dvi.predictive.sampled_regression_moments`,
-    `sampled_log_predictive_density` or `sampled_class_probabilities`.
-
-    Args:
-        model: a keras-dvi model.
-        x: inputs `(n, features)`.
-        num_samples: weight samples (positive integer).
-        batch_size: rows per forward pass (default: `model.predict`'s for sampled models, all
-            rows at once for moment models).
-        verbose: `model.predict` verbosity (sampled models).
-        seed: integer seed for reproducible draws, or `None` (moment models in batches still
-            draw one set of weights for all batches).
-    """
-    num_samples = validation.positive_integer("num_samples", num_samples)
-    first = sampling_layer(model)
-    if first is None:
-        if batch_size is None:
-            return sampling.weight_samples(model, x, num_samples, seed=seed)
-        batch_size = validation.positive_integer("batch_size", batch_size)
-        if seed is None:  # one seed for every batch: each sample is one function on all rows
-            seed = int(np.random.default_rng().integers(2**31 - 1))
-        x = np.asarray(x)
-        return np.concatenate([sampling.weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
-                               for i in range(0, len(x), batch_size)], axis=0)
-    if seed is not None:
-        set_sampling_seed(model, seed)
-    previous = first.num_samples
-    first.num_samples = num_samples
-    model.predict_function = None  # retrace with the new sample count
-    try:
-        return model.predict(x, batch_size=batch_size, verbose=verbose)
-    finally:
-        first.num_samples = previous
-        model.predict_function = None
-
-
-def set_sampling_seed(model, seed):
-    """Restarts the weight draws of every sampling layer of `model` (`GlobalInducingDense`,
-    `DenseMCVI`) from `seed`.
-
-    Seed generator states are not part of a saved `.keras` file; after `set_sampling_seed`
-    with the same seed, a model and its saved-and-loaded copy draw the same weights, so
-    `model.predict` returns the same numbers.
-    """
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"Argument `seed` must be an integer; received {seed!r}.")
-    layers = [layer for layer in network.layers_of(model) if hasattr(layer, "seed_generator")]
-    for i, layer in enumerate(layers):
-        state = layer.seed_generator.state
-        layer.seed_generator.state.assign(np.array([seed + 7919 * i, 0], dtype=state.dtype))

@@ -1,7 +1,7 @@
 """Pure maths of global inducing point posteriors (Ober & Aitchison, ICML 2021).
 
 Functions of `keras.ops` tensors, shared by `keras_dvi.GlobalInducingDense` and the tests
-(`../shared/notes/math.md` section 8). Shapes: `S` samples, `M` inducing points, `P` input
+Shapes: `S` samples, `M` inducing points, `P` input
 features (bias column included), `U` output units.
 
 For one layer with features `Phi` of the inducing points (`M x P`), pseudo-outputs `V`

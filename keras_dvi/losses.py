@@ -10,13 +10,13 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import deprecation, moments, objective, packing, validation
+from keras_dvi import moments, objective, packing, validation
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
-def _report(nll):
-    objective.report_nll(ops.mean(nll))
+def _report(nll, probabilities=None):
+    objective.report_nll(ops.mean(nll), probabilities)
 
 
 class _ValidatingLoss(keras.losses.Loss):
@@ -36,7 +36,7 @@ class _ValidatingLoss(keras.losses.Loss):
 class HeteroscedasticELL(_ValidatingLoss):
     """Negative expected Gaussian log-likelihood with a learned, input-dependent noise.
 
-    Wu et al. (ICLR 2019), eq. 8 (math.md section 5): for each target dimension the network
+    Wu et al. (ICLR 2019), eq. 8: for each target dimension the network
     outputs a mean `m` and a log noise variance `l`, jointly Gaussian with covariance
     `(S_mm, S_ml, S_ll)`, and
 
@@ -98,8 +98,8 @@ class SoftmaxDeltaELL(_ValidatingLoss):
     """Negative expected log-likelihood of a softmax (categorical) likelihood over logits.
 
     Logits `a ~ N(m, S)` (the packed output of the last keras-dvi layer, `C >= 2` units).
-    `method="delta"`: the second-order delta method, Wu et al. (ICLR 2019) eq. 21 (math.md
-    section 6): `E[log p(y|a)] ~= m_y - logsumexp(m) - (p . diag(S) - p^T S p) / 2`,
+    `method="delta"`: the second-order delta method, Wu et al. (ICLR 2019) eq. 21:
+    `E[log p(y|a)] ~= m_y - logsumexp(m) - (p . diag(S) - p^T S p) / 2`,
     `p = softmax(m)`. `method="jankowiak"`: the closed-form approximate bound of Jankowiak
     (2018), eq. 38: `m_y - log sum_j exp(m_j) (1 + S_jj / 2)`.
 
@@ -154,7 +154,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
             correction = 0.5 * (ops.sum(p * variance, axis=-1) - quadratic)
             ell = log_p - correction[:, None]
         nll = validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
-        _report(nll)
+        _report(nll, ops.softmax(mean, axis=-1))
         return nll
 
     def get_config(self):
@@ -200,7 +200,7 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
 
     >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
 
-    The sampled counterpart of `HeteroscedasticELL` (formerly `SampledGaussianELL`).
+    The sampled counterpart of `HeteroscedasticELL`.
     """
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_heteroscedastic_ell",
@@ -226,16 +226,6 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
         nll = ops.mean(ops.sum(nll, axis=-1), axis=-1)
         _report(nll)
         return nll
-
-
-@keras.saving.register_keras_serializable(package="keras_dvi")
-class SampledGaussianELL(SampledHeteroscedasticELL):
-    """Deprecated name of `SampledHeteroscedasticELL` (models saved with it still load)."""
-
-    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_gaussian_ell", dtype=None):
-        deprecation.warn("SampledGaussianELL", "use keras_dvi.SampledHeteroscedasticELL, the same loss "
-                         "under the name that pairs it with HeteroscedasticELL.")
-        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -274,5 +264,9 @@ class SampledSoftmaxELL(_ValidatingLoss):
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         log_p = y_pred - ops.logsumexp(y_pred, axis=-1, keepdims=True)
         nll = validation.poison_unlabelled(-ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1), labels)
-        _report(nll)
+        _report(nll, ops.mean(ops.exp(log_p), axis=1))
         return nll
+
+
+# Files saved by 0.1.0.dev0 name this loss by its former name; they load as the same class.
+keras.saving.get_custom_objects()["keras_dvi>SampledGaussianELL"] = SampledHeteroscedasticELL

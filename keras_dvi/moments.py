@@ -5,7 +5,7 @@ any leading batch axes. The layers in `keras_dvi.layers` only hold variables and
 functions; tests check each function against an independent oracle (closed form, quadrature
 or Monte Carlo).
 
-Notation (Wu et al., ICLR 2019, Section 3, and `shared/notes/math.md`): a pre-activation
+Notation (Wu et al., ICLR 2019, Section 3; the documentation's mathematics page): a pre-activation
 vector `a` is Gaussian with mean `m` and covariance `S`; `h = f(a)` is the activation.
 `mu_j = m_j / sqrt(S_jj)`, `rho = S_jl / sqrt(S_jj S_ll)`, `rho_bar = sqrt(1 - rho^2)`.
 
@@ -163,7 +163,7 @@ def clip_correlation(rho):
 
 
 # --------------------------------------------------------------------------------------------
-# One unit through the activation (math.md section 2): exact
+# One unit through the activation (Table 1, diagonal): exact
 # --------------------------------------------------------------------------------------------
 
 
@@ -189,7 +189,7 @@ def activation_moments(mean, variance, activation):
 def expected_derivative(mean, variance, activation):
     """`E[f'(a)]` for `a ~ N(mean, variance)`: the Stein's-lemma factor of skip connections.
 
-    ReLU: `Phi(mu)`; Heaviside: `phi(mu) / sqrt(S)` (math.md section 4; the paper's
+    ReLU: `Phi(mu)`; Heaviside: `phi(mu) / sqrt(S)` (Appendix C.1; the paper's
     Appendix C.1 prints `1 / S`, which is dimensionally wrong); linear: 1; leaky ReLU:
     `a + (1 - a) Phi(mu)`.
     """
@@ -272,7 +272,7 @@ def _leaky_relu_moments(mean, variance):
 
 
 # --------------------------------------------------------------------------------------------
-# Two units through the activation (math.md section 3)
+# Two units through the activation (eqs. 6-7, Table 1 corrected)
 # --------------------------------------------------------------------------------------------
 
 
@@ -280,7 +280,7 @@ def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l
     # Cov = S_jl Phi_j Phi_l + std_j std_l (rho g / 2 pi) exp(-c1 (mu_j^2 + mu_l^2) + c2 mu_j mu_l)
     # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)) and
     # c2 = (arcsin(rho) - rho)/(g rho) = (arcsin(rho)/rho - 1)/(rho G): the corrected Table 1
-    # of math.md (note the minus sign in g and the factor rho in the prefactor).
+    # (note the minus sign in g and the factor rho in the prefactor).
     rho2 = ops.square(rho)
     one_plus_rho_bar = 1.0 + ops.sqrt(1.0 - rho2)
     rho_c = _coefficient_correlation(rho)
@@ -297,7 +297,7 @@ def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l
 def _paper_heaviside_covariance(rho, mu_j, mu_l):
     # Cov = (arcsin(rho) / 2 pi) exp(-(r / (2 rho_bar)) (mu_j^2 + mu_l^2)
     #                                 + (r rho / (rho_bar (1 + rho_bar))) mu_j mu_l),
-    # r = rho / arcsin(rho) (math.md section 3; even in rho, -> 1 as rho -> 0).
+    # r = rho / arcsin(rho) (even in rho, -> 1 as rho -> 0).
     rho_bar = ops.sqrt(1.0 - ops.square(rho))
     rho_c = _coefficient_correlation(rho)
     r = rho_c / _arcsin(rho_c)
@@ -355,13 +355,14 @@ def bivariate_normal_cdf_excess(h, k, rho):
     """`Phi2(h, k; rho) - Phi(h) Phi(k)`, the covariance of two Heaviside units.
 
     Uses Owen's T (`owens_t`):
-    `Phi2(h, k; rho) = Phi(h)/2 + Phi(k)/2 - T(h, a_h) - T(k, a_k) - beta` (math.md section 3),
+    `Phi2(h, k; rho) = Phi(h)/2 + Phi(k)/2 - T(h, a_h) - T(k, a_k) - beta`,
     evaluated on the side (`(h, k)` or `(-h, -k)`, which give the same excess) where the
     probabilities are small, so there is no cancellation. `h = 0` or `k = 0` is shifted by a
     negligible amount away from zero (`Phi2` is continuous there).
 
     Args:
-        h, k: standardised means, broadcastable tensors.
+        h: standardised means of the first variable, a tensor.
+        k: standardised means of the second variable, broadcastable with `h`.
         rho: correlation, strictly inside (-1, 1) (see `clip_correlation`).
 
     Returns:
@@ -384,7 +385,7 @@ def bivariate_normal_cdf_excess(h, k, rho):
 
 
 def _exact_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l):
-    # Closed form of E[relu(a_j) relu(a_l)] (math.md section 3) minus E[h_j] E[h_l], regrouped
+    # Closed form of E[relu(a_j) relu(a_l)] minus E[h_j] E[h_l], regrouped
     # so that every bracket vanishes with the covariance:
     # Cov = m_j m_l D + S_jl Phi2 + m_j s_l phi_l (Phi(alpha_jl) - Phi_j)
     #       + m_l s_j phi_j (Phi(alpha_lj) - Phi_l) + s_j s_l (rho_bar e^{-q/2} - e^{-(mu_j^2+mu_l^2)/2}) / 2pi
@@ -408,13 +409,15 @@ def cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, activation, method="p
     """`Cov(f(a_j), f(a_l))` for two jointly Gaussian units, elementwise with broadcasting.
 
     `method="paper"`: the asymptote plus Gaussian-shaped correction of Wu et al. (2019),
-    eqs. (6)-(7), with the **corrected** Table 1 of math.md section 3 (largest error in the
-    normalised cross moment 0.0095 for ReLU, 0.060 for Heaviside). `method="exact"`: the
+    eqs. (6)-(7), with the **corrected** Table 1 (the documentation's mathematics page; largest
+    error in the normalised cross moment 0.0095 for ReLU, 0.060 for Heaviside). `method="exact"`: the
     bivariate normal closed form through Owen's T (no approximation).
 
     Args:
-        mean_j, mean_l: means of the two pre-activations.
-        var_j, var_l: their variances (>= 0).
+        mean_j: means of the first pre-activation.
+        mean_l: means of the second pre-activation.
+        var_j: variances of the first (>= 0).
+        var_l: variances of the second (>= 0).
         cov_jl: their covariance.
         activation: `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (or `None`).
         method: `"paper"` or `"exact"`.
@@ -493,7 +496,7 @@ def activation_covariance(mean, covariance, activation, method="paper"):
 
 
 # --------------------------------------------------------------------------------------------
-# Linear map with factorised Gaussian weights (math.md section 1)
+# Linear map with factorised Gaussian weights (eqs. 3-4)
 # --------------------------------------------------------------------------------------------
 
 
@@ -509,7 +512,7 @@ def linear_moments(
 ):
     """Moments of `a = h W + b` with independent factorised Gaussian `W`, `b` and `h`.
 
-    Wu et al. (2019), eqs. (3)-(4) (math.md section 1):
+    Wu et al. (2019), eqs. (3)-(4):
     `E[a] = E[h] M + b_m`, `Cov(a) = diag(E[h*h] V + b_v) + M^T Cov(h) M`.
 
     Give at most one of `variance` (diagonal `Cov(h)`) and `covariance` (full `Cov(h)`);

@@ -38,7 +38,9 @@ produced (a plain layer such as `Dropout` between keras-dvi layers of a subclass
 """
 
 import inspect
+import math
 import sys
+import weakref
 import warnings
 
 import keras
@@ -77,6 +79,23 @@ def stepping_model():
     methods); no Keras attribute is read."""
     found = _stepping_frame()
     return None if found is None else found[0]
+
+
+def calling_models():
+    """The `keras.Model`s whose `call` is running in this thread (an eager `model(x)`,
+    `predict`), outermost first, found on the Python call stack as `stepping_model` finds its
+    model (Keras offers no scope for a model's call)."""
+    models, frame = [], inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "call":
+                found = frame.f_locals.get("self")
+                if isinstance(found, keras.Model) and all(found is not m for m in models):
+                    models.append(found)
+            frame = frame.f_back
+        return models[::-1]
+    finally:
+        del frame
 
 
 def resolve_training(training):
@@ -146,16 +165,41 @@ def _open_record():
     return record if record is not None and record.open else None
 
 
-def kl_ramp(step, warmup_steps, delay_steps=0):
-    """Warm-up factor of the KL at training step `step` (0-based): 0 for `delay_steps` steps, then
-    `min(1, (step - delay_steps + 1) / warmup_steps)` (1 without a warm-up). Works on Python
-    numbers and tensors (`warmup_steps` too: a tensor is taken to be positive)."""
-    if isinstance(warmup_steps, (int, float)) and not warmup_steps and not delay_steps:
+def kl_ramp(step, warmup_steps):
+    """Warm-up factor of the KL at training step `step` (0-based): `min(1, (step + 1) /
+    warmup_steps)`, 1 without a warm-up (`warmup_steps` 0). Works on Python numbers and tensors
+    (`warmup_steps` too: a tensor is taken to be positive)."""
+    if isinstance(warmup_steps, (int, float)) and not warmup_steps:
         return 1.0
     step = ops.cast(step, "float32")
-    if isinstance(warmup_steps, (int, float)) and not warmup_steps:
-        return ops.cast(step >= delay_steps, "float32")
-    return ops.clip((step - delay_steps + 1.0) / ops.cast(warmup_steps, "float32"), 0.0, 1.0)
+    return ops.clip((step + 1.0) / ops.cast(warmup_steps, "float32"), 0.0, 1.0)
+
+
+#: A classifier whose predictions carry less than this share of the information of their own
+#: average (`prediction_information`), or whose `nll` is no better than a uniform guess, after
+#: the KL warm-up, at two checks in a row, has collapsed to the prior.
+COLLAPSE_INFORMATION_SHARE = 0.1
+
+
+def prediction_information(probabilities):
+    """`(information, spread)` of a batch of class probabilities `(batch, C)`: the spread is the
+    entropy of the batch's average prediction, `H(mean p)`, and the information the predictions
+    carry about their inputs is `H(mean p) - mean H(p)` (the mutual information between the
+    input and the predicted class over the batch), in nats. A classifier at its prior predicts
+    the same distribution for every input: information 0."""
+    probabilities = ops.maximum(probabilities, 1e-12)
+    average = ops.mean(probabilities, axis=0)
+    spread = -ops.sum(average * ops.log(average))
+    own = -ops.sum(probabilities * ops.log(probabilities), axis=-1)
+    return spread - ops.mean(own), spread
+
+
+class HeadRef:
+    """A weak reference to a network's first keras-dvi layer, held by its tracker (a plain
+    object: Keras does not track it as a sub-layer of the metric)."""
+
+    def __init__(self, layer):
+        self.layer = weakref.ref(layer)
 
 
 class ELBOTracker(keras.metrics.Metric):
@@ -165,6 +209,13 @@ class ELBOTracker(keras.metrics.Metric):
     the sum over layers of `KL / N` (without the warm-up or `kl_weight`), per step. Keras resets
     it at every epoch and `evaluate`, and shows it in the progress bar, the `History` and
     `evaluate`'s results.
+
+    For classifiers it also keeps the running means of `prediction_information` and of
+    `log C`, and checks them whenever Keras reads the result outside a compiled function (at
+    the end of every epoch of `fit`, and of `evaluate`): a classifier trained past its KL
+    warm-up whose predictions carry almost no information about its inputs, or whose `nll` is
+    no better than a uniform guess, at two such checks in a row, has collapsed to its prior,
+    and a warning says so, with the cause and the fixes.
     """
 
     def __init__(self, name="elbo", dtype="float32"):
@@ -172,16 +223,28 @@ class ELBOTracker(keras.metrics.Metric):
         self.nll_total = self.add_variable(shape=(), initializer="zeros", name="nll_total")
         self.kl_total = self.add_variable(shape=(), initializer="zeros", name="kl_total")
         self.steps = self.add_variable(shape=(), initializer="zeros", name="steps")
+        self.information_total = self.add_variable(shape=(), initializer="zeros", name="information_total")
+        self.spread_total = self.add_variable(shape=(), initializer="zeros", name="spread_total")
+        self.log_classes_total = self.add_variable(shape=(), initializer="zeros", name="log_classes_total")
+        self.classified_steps = self.add_variable(shape=(), initializer="zeros", name="classified_steps")
+        self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
 
-    def update_state(self, nll, kl):
+    def update_state(self, nll, kl, classification=None):
+        """`classification`: `(information, spread, log C)` of the batch's predictions, or `None`."""
         self.nll_total.assign_add(ops.cast(nll, self.dtype))
         self.kl_total.assign_add(ops.cast(kl, self.dtype))
         self.steps.assign_add(ops.cast(1.0, self.dtype))
+        if classification is not None:
+            for variable, value in zip((self.information_total, self.spread_total, self.log_classes_total),
+                                       classification):
+                variable.assign_add(ops.cast(value, self.dtype))
+            self.classified_steps.assign_add(ops.cast(1.0, self.dtype))
 
     def result(self):
         """`{"nll": ..., "kl": ...}`. Keras reads it at the end of every training or test step,
         after the loss: a step of this network still open then was scored by no keras-dvi loss
-        (a warning if it was a training step), and is closed."""
+        (a warning if it was a training step), and is closed. Read outside a compiled function,
+        it also checks a classifier for a collapse to its prior."""
         record = getattr(self, "open_record", None)
         if record is not None:
             self.open_record = None
@@ -190,7 +253,47 @@ class ELBOTracker(keras.metrics.Metric):
                 if record.training and not getattr(self, "warned_loss", False):
                     self._warn_no_loss(record.head)
         steps = ops.maximum(self.steps, 1.0)
-        return {"nll": self.nll_total / steps, "kl": self.kl_total / steps}
+        nll = self.nll_total / steps
+        if _executing_eagerly(self.steps):
+            self._check_collapse(nll)
+        return {"nll": nll, "kl": self.kl_total / steps}
+
+    def _check_collapse(self, nll):
+        steps = float(ops.convert_to_numpy(self.classified_steps))
+        head = getattr(self, "head", None)
+        layer = None if head is None else head.layer()
+        if steps < 1 or layer is None or getattr(self, "warned_collapse", False):
+            return
+        if layer.regularizer is None or not layer.kl_warmup_done():
+            self.collapse_checks = 0
+            return
+        information, spread, log_classes = (float(ops.convert_to_numpy(v)) / steps for v in
+                                            (self.information_total, self.spread_total, self.log_classes_total))
+        nll = float(ops.convert_to_numpy(nll))
+        uninformed = information < COLLAPSE_INFORMATION_SHARE * max(spread, 1e-6)
+        if not (uninformed or nll >= log_classes - 0.01):
+            self.collapse_checks = 0
+            return
+        self.collapse_checks += 1
+        if self.collapse_checks < 2:
+            return
+        self.warned_collapse = True
+        warnings.warn(
+            f"The classifier whose first keras-dvi layer is {layer.name!r} has collapsed to its "
+            f"prior: after the KL warm-up its predictions carry {information:.3f} nats of "
+            f"information about its inputs (against {spread:.3f} for the spread of its average "
+            f"prediction) and its nll is {nll:.3f} (a uniform guess: {log_classes:.3f}). It "
+            "predicts about the same class probabilities for every input. Cause: the full ELBO's "
+            "KL term outweighs what the data can pay for, which happens with many weights per "
+            "training example (small data sets, wide networks, short runs): the mean-field "
+            "posterior is pulled back to the prior. Fixes: a tempered posterior stated by name "
+            "(`EmpiricalBayesRegularizer(num_train, kl_weight=0.03)` with "
+            "`SoftmaxDeltaELL(method='jankowiak')`), a Bayesian last layer over plain Keras layers, "
+            "or more data; `kl_warmup_steps=0` makes this worse (the documentation's "
+            "classification guide).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _warn_no_loss(self, head):
         self.warned_loss = True
@@ -207,7 +310,8 @@ class ELBOTracker(keras.metrics.Metric):
             )
 
     def reset_state(self):
-        for variable in (self.nll_total, self.kl_total, self.steps):
+        for variable in (self.nll_total, self.kl_total, self.steps, self.information_total, self.spread_total,
+                         self.log_classes_total, self.classified_steps):
             variable.assign(ops.zeros((), dtype=variable.dtype))
 
 
@@ -299,8 +403,19 @@ def _trace_of(tensor):
     return None
 
 
-def report_nll(nll):
-    """Called by the keras-dvi losses with the batch mean `nll`: closes the hand-off. KL values
+def _executing_eagerly(variable):
+    """Whether this code runs eagerly (with concrete values), not traced into a compiled
+    function: TensorFlow's executing mode, or a JAX variable's value that is no tracer."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    return _trace_of(ops.convert_to_tensor(variable)) is None
+
+
+def report_nll(nll, probabilities=None):
+    """Called by the keras-dvi losses with the batch mean `nll` (and a classifier's predicted
+    class probabilities `(batch, C)`, for the collapse check): closes the hand-off. KL values
     left by a forward pass of another computation (a `predict` that no loss followed) are
     dropped, not mixed in."""
     record = _open_record()
@@ -313,4 +428,9 @@ def report_nll(nll):
     total = ops.cast(0.0, "float32")
     for value in kl:
         total = total + ops.cast(value, "float32")
-    tracker.update_state(ops.stop_gradient(nll), total)
+    classification = None
+    if probabilities is not None:
+        probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
+        information, spread = prediction_information(probabilities)
+        classification = (information, spread, math.log(int(probabilities.shape[-1])))
+    tracker.update_state(ops.stop_gradient(nll), total, classification)

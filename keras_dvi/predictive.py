@@ -1,20 +1,29 @@
-"""Predictions users can trust: predictive distributions and their metrics.
+"""Predictions: what a trained keras-dvi model predicts, and how good it is.
 
-Regression (Wu et al. 2019, eq. 9): `y ~ N(E[m], S_mm + exp(E[l] + S_ll / 2))`, the variance
-split into an epistemic part `S_mm` (weight uncertainty) and an aleatoric part
-`exp(E[l] + S_ll / 2)` (the expected noise variance). Classification: class probabilities by
-the delta method (eq. 23), made valid, or by Monte Carlo over the Gaussian logits.
+* `predict(model, x)`: predictive summaries as NumPy arrays (mean, standard deviation,
+  epistemic and aleatoric parts, intervals; or class probabilities, labels and entropy), for
+  every kind of keras-dvi model.
+* `predict_samples(model, x, num_samples)`: output samples `(n, num_samples, units)` of any
+  keras-dvi model (the Monte Carlo reference over the weights for moment networks).
+* The predictive distributions behind them, as functions of a model's output: regression
+  (Wu et al. 2019, eq. 9: `y ~ N(E[m], S_mm + exp(E[l] + S_ll / 2))`, the variance split into
+  an epistemic part `S_mm` and an aleatoric part `exp(E[l] + S_ll / 2)`), class probabilities
+  (`softmax` of the mean logits, a pairwise probit approximation of `E[softmax(a)]`, Monte
+  Carlo, or the delta method of eq. 23), their scores (log predictive density, RMSE, interval
+  coverage, expected calibration error), and the same for sampled outputs (`sampled_*`).
 
-Every function takes the packed output of a keras-dvi model (a tensor or the array that
-`model.predict` returns) and returns backend tensors (`keras.ops.convert_to_numpy` for NumPy).
+The functions take the packed output of a keras-dvi model (a tensor or the array that
+`model.predict` returns) and return backend tensors (`keras.ops.convert_to_numpy` for NumPy);
+`predict` and `predict_samples` return NumPy arrays.
 """
 
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
-from keras_dvi import deprecation, moments, packing, validation
+from keras_dvi import losses, moments, packing, sampling, validation
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -122,12 +131,9 @@ def class_probabilities(y_pred, method="mean", num_samples=256, seed=None):
 
     The default, `softmax(m)` of the posterior mean logits (which DVI computes by integrating
     over the weights layer by layer), is the predictive both softmax losses train: their
-    `exp(E[log p(y | a)])`, normalised over `y`, is exactly `softmax(m)`. It was the best
-    calibrated in-distribution on the digits (BENCHMARKS.md: NLL 0.13 and ECE 0.02 where the
-    approximations of `E[softmax(a)]` below gave 0.43-0.59 and 0.28-0.39, the full-ELBO
-    posterior being wider than the data warrant). Under shift and out of distribution the
-    variance matters: `"probit"` had rotation NLLs 1.6-2.4 against 2.6-7.1 and detected
-    uniform noise with AUROC 0.99 against 0.95.
+    `exp(E[log p(y | a)])`, normalised over `y`, is exactly `softmax(m)`, and it is the best
+    calibrated in distribution. Under shift and out of distribution the logit variance
+    matters, and `"probit"` is the better choice there.
 
     Args:
         y_pred: packed output with one logit per class.
@@ -271,8 +277,152 @@ def sampled_class_probabilities(samples):
     return ops.mean(ops.softmax(samples, axis=-1), axis=1)
 
 
-# Former names (deprecated): the sampled family is named `sampled_*`, as `Sampled*` classes are.
-sample_regression_moments = deprecation.renamed(sampled_regression_moments, "predictive.sample_regression_moments")
-sample_log_predictive_density = deprecation.renamed(sampled_log_predictive_density,
-                                                    "predictive.sample_log_predictive_density")
-sample_class_probabilities = deprecation.renamed(sampled_class_probabilities, "predictive.sample_class_probabilities")
+# ---------------------------------------------------------------- models
+
+
+def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None):
+    """Output samples of any keras-dvi model, as a NumPy array `(n, num_samples, units)`.
+
+    * A sampled model (`GlobalInducingDense`, `DenseMCVI`, `Conv2DMCVI` layers):
+      `model.predict(x)` with the sample count of its first such layer set to `num_samples` for
+      this call (the model's own setting is restored afterwards). `seed` first restarts its
+      layers' draws (`keras_dvi.set_sampling_seed`).
+    * A moment-propagating model (`DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `Conv2DDVI`, ...):
+      the Monte Carlo reference, every keras-dvi layer running ordinary forward passes with
+      weights drawn from its posterior (the same weights for every row of `x`, so each sample
+      is one function); `seed` seeds the draws.
+
+    The result is ready for `sampled_regression_moments`, `sampled_log_predictive_density` or
+    `sampled_class_probabilities`.
+
+    Args:
+        model: a keras-dvi model.
+        x: inputs `(n, features)` (conv networks: `(n, *spatial, channels)`).
+        num_samples: weight samples (positive integer).
+        batch_size: rows per forward pass (default: `model.predict`'s for sampled models, all
+            rows at once for moment models).
+        verbose: `model.predict` verbosity (sampled models).
+        seed: integer seed for reproducible draws, or `None` (moment models in batches still
+            draw one set of weights for all batches).
+
+    Returns:
+        A NumPy array `(n, num_samples, units)` (a feature map's: `(n, num_samples, *spatial,
+        channels)`).
+
+    Example:
+
+    >>> samples = keras_dvi.predict_samples(model, x_test, num_samples=1000, seed=0)
+    >>> mc_mean, mc_var = samples.mean(axis=1), samples.var(axis=1)
+    """
+    num_samples = validation.positive_integer("num_samples", num_samples)
+    first = sampling.sampling_layer(model)
+    if first is None:
+        if batch_size is None:
+            return sampling.weight_samples(model, x, num_samples, seed=seed)
+        batch_size = validation.positive_integer("batch_size", batch_size)
+        if seed is None:  # one seed for every batch: each sample is one function on all rows
+            seed = int(np.random.default_rng().integers(2**31 - 1))
+        x = np.asarray(x)
+        return np.concatenate([sampling.weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
+                               for i in range(0, len(x), batch_size)], axis=0)
+    if seed is not None:
+        sampling.set_sampling_seed(model, seed)
+    previous = first.num_samples
+    first.num_samples = num_samples
+    model.predict_function = None  # retrace with the new sample count
+    try:
+        return model.predict(x, batch_size=batch_size, verbose=verbose)
+    finally:
+        first.num_samples = previous
+        model.predict_function = None
+
+
+REGRESSION, CLASSIFICATION = "regression", "classification"
+_TASK_OF_LOSS = {
+    losses.HeteroscedasticELL: REGRESSION,
+    losses.SampledHeteroscedasticELL: REGRESSION,
+    losses.SoftmaxDeltaELL: CLASSIFICATION,
+    losses.SampledSoftmaxELL: CLASSIFICATION,
+}
+
+
+def _task(model, task):
+    if task is not None:
+        if task not in (REGRESSION, CLASSIFICATION):
+            raise ValueError(f"Argument `task` must be 'regression' or 'classification'; received {task!r}.")
+        return task
+    loss = getattr(model, "loss", None)
+    for cls, name in _TASK_OF_LOSS.items():
+        if isinstance(loss, cls):
+            return name
+    raise ValueError(
+        "keras_dvi.predict could not tell the task from the model's loss "
+        f"({type(loss).__name__ if loss is not None else 'not compiled'}): pass "
+        "`task='regression'` or `task='classification'`."
+    )
+
+
+def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, probability_method="mean"):
+    """Predictions of a keras-dvi model, as a dict of NumPy arrays.
+
+    Regression (a `HeteroscedasticELL` / `SampledHeteroscedasticELL` model, in the targets' own
+    units when it ends in `TargetScaling`; a regression `TAGIModel`), each `(n, D)`:
+
+    * `mean`, `std` and `variance` of the predictive distribution (Wu et al. 2019, eq. 9),
+    * `epistemic` and `aleatoric`: the two parts of `variance` (weight uncertainty; noise),
+    * `lower`, `upper`: the central interval of probability `level` (Gaussian predictive;
+      for sampled models, a Gaussian with the mixture's mean and variance).
+
+    Classification (`SoftmaxDeltaELL` / `SampledSoftmaxELL`; a `TAGIModel` with `classes`):
+
+    * `probabilities` `(n, C)` (`class_probabilities` with `probability_method`; sampled
+      models: the mean softmax of the samples), `label` `(n,)` the most probable class,
+      `entropy` `(n,)` the predictive entropy in nats (high: uncertain or out of
+      distribution).
+
+    Args:
+        model: a trained keras-dvi model.
+        x: inputs (anything `model.predict` takes).
+        task: `"regression"` or `"classification"`; `None` reads it from the compiled loss.
+        level: probability of the interval (regression).
+        num_samples: weight samples per input for models with a sample axis (`DenseMCVI`,
+            `GlobalInducingDense`).
+        batch_size: as in `model.predict`.
+        probability_method: method of `class_probabilities` for DVI classifiers: `"mean"`
+            (default, calibrated in distribution) or `"probit"` (for inputs that may be
+            shifted or out of distribution).
+
+    Returns:
+        A dict of NumPy arrays, as above.
+
+    Example:
+
+    >>> out = keras_dvi.predict(model, x_test)
+    >>> out["mean"], out["std"], out["lower"], out["upper"]
+    """
+    from keras_dvi.layers import boundary
+    from keras_dvi.tagi.model import TAGIModel  # (here: it imports the layers)
+
+    boundary.check_structure(model)
+    if isinstance(model, TAGIModel):  # its own predictive distribution (fixed noise, the tree)
+        return model.predictive(model.predict(x, batch_size=batch_size, verbose=0), level=level)
+    task = _task(model, task)
+    quantile = central_quantile(level) if task == REGRESSION else None  # checks `level`
+    sampled = sampling.sampling_layer(model) is not None
+    if sampled:
+        y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
+    else:
+        y_pred = model.predict(x, batch_size=batch_size, verbose=0)
+    if task == CLASSIFICATION:
+        if sampled:
+            probs = np.asarray(sampled_class_probabilities(y_pred))
+        else:
+            probs = np.asarray(class_probabilities(y_pred, method=probability_method))
+        entropy = -np.sum(probs * np.log(probs), axis=-1)
+        return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
+    parts = sampled_regression_moments(y_pred) if sampled else regression_moments(y_pred)
+    out = {name: np.asarray(value) for name, value in parts.items()}
+    out["std"] = np.sqrt(out["variance"])
+    half = quantile * out["std"]
+    out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
+    return out

@@ -25,7 +25,7 @@ from keras_dvi import validation
 
 
 def gaussian_kl(mean, variance, prior_variance):
-    """`sum_i KL(N(mean_i, variance_i) || N(0, prior_variance))` (math.md section 7)."""
+    """`sum_i KL(N(mean_i, variance_i) || N(0, prior_variance))` (Wu et al. 2019, eq. 12)."""
     prior_variance = ops.cast(prior_variance, mean.dtype)
     ratio = (variance + ops.square(mean)) / prior_variance
     return 0.5 * ops.sum(ops.log(prior_variance) - ops.log(variance) - 1.0 + ratio)
@@ -44,7 +44,7 @@ def auto_kl_warmup_steps(planned_steps):
     unknown): `AUTO_KL_WARMUP_FRACTION` of the run (three quarters, rounded up), at least 1 step
     and at most `AUTO_KL_WARMUP_MAX_STEPS` (3,000), so that every run ends on the full
     objective, with at least a quarter of it trained there; the maximum when the length is
-    unknown. (The fraction was chosen on validation rows, BENCHMARKS.md.)"""
+    unknown. (The fraction was chosen on validation rows; BENCHMARKS.md has the ablation.)"""
     if planned_steps is None:
         return AUTO_KL_WARMUP_MAX_STEPS
     return max(1, min(AUTO_KL_WARMUP_MAX_STEPS, math.ceil(AUTO_KL_WARMUP_FRACTION * planned_steps)))
@@ -147,8 +147,9 @@ class EmpiricalBayesRegularizer(PriorRegularizer):
     ... ])
     """
 
-    def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False, **kwargs):
-        super().__init__(num_train, **kwargs)
+    def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False, kl_weight=1.0,
+                 kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+        super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
         self.alpha = validation.positive_number("alpha", alpha)
         self.beta = validation.positive_number("beta", beta)
         self.beta_per_fan_in = bool(beta_per_fan_in)
@@ -182,8 +183,8 @@ class GaussianPriorRegularizer(PriorRegularizer):
         kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
     """
 
-    def __init__(self, num_train, variance=1.0, **kwargs):
-        super().__init__(num_train, **kwargs)
+    def __init__(self, num_train, variance=1.0, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+        super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
         self.variance = validation.positive_number("variance", variance)
 
     def kl(self, mean, variance, fan_in):

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import deprecation, validation
+from keras_dvi import network, validation
 
 
 class SamplingContext:
@@ -126,13 +126,38 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     return np.swapaxes(np.concatenate(chunks, axis=0), 0, 1)
 
 
-def sample_outputs(model, x, num_samples, seed=None, chunk_size=None):
-    """Deprecated: `keras_dvi.predict_samples(model, x, num_samples, seed=seed)`, which returns
-    the same draws as `(batch, samples, units)`, the layout of every other sampled output.
-    This returns them as `(num_samples, batch, units)`, as it always did."""
-    deprecation.warn(
-        "sample_outputs",
-        "use keras_dvi.predict_samples(model, x, num_samples, seed=seed), which returns the "
-        "same draws as (batch, samples, units) (reduce over axis 1, not 0).",
-    )
-    return np.swapaxes(weight_samples(model, x, num_samples, seed, chunk_size), 0, 1)
+def sampling_layer(model):
+    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
+    setting: `GlobalInducingDense`, `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`), or `None` for a
+    moment-propagating model."""
+    for layer in network.layers_of(model):
+        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
+            return layer
+    return None
+
+
+def set_sampling_seed(model, seed):
+    """Restarts the weight draws of every sampling layer of `model` (`GlobalInducingDense`,
+    `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`) from `seed`.
+
+    Seed generator states are not part of a saved `.keras` file; after `set_sampling_seed`
+    with the same seed, a model and its saved-and-loaded copy draw the same weights, so
+    `model.predict` returns the same numbers.
+
+    Args:
+        model: a Keras model with sampling layers.
+        seed: integer seed.
+
+    Example:
+
+    >>> keras_dvi.set_sampling_seed(model, 0)
+    >>> first = model.predict(x_test)
+    >>> keras_dvi.set_sampling_seed(model, 0)
+    >>> np.testing.assert_array_equal(first, model.predict(x_test))
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"Argument `seed` must be an integer; received {seed!r}.")
+    layers = [layer for layer in network.layers_of(model) if hasattr(layer, "seed_generator")]
+    for i, layer in enumerate(layers):
+        state = layer.seed_generator.state
+        layer.seed_generator.state.assign(np.array([seed + 7919 * i, 0], dtype=state.dtype))

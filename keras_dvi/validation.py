@@ -239,11 +239,13 @@ def check_packed_variances(mean, variance, where):
     silently wrong. `where` names the layer or loss. Returns `mean`.
     """
     message = (
-        f"{where} received a packed keras-dvi tensor whose variances are negative, so it is not "
-        "the output of a keras-dvi layer: a plain Keras layer (Dense, BatchNormalization, "
-        "Dropout, Flatten, ...) sits between keras-dvi layers or after the last one and mixed "
-        "the mean and covariance rows as numbers. Put plain Keras layers before the first "
-        "keras-dvi layer only, and read predictions with keras_dvi.predict or keras_dvi.unpack"
+        f"{where} received a packed keras-dvi tensor whose variances are negative or NaN. "
+        "Negative: it is not the output of a keras-dvi layer: a plain Keras layer (Dense, "
+        "BatchNormalization, Dropout, Flatten, ...) sits between keras-dvi layers or after the "
+        "last one and mixed the mean and covariance rows as numbers. Put plain Keras layers "
+        "before the first keras-dvi layer only, and read predictions with keras_dvi.predict or "
+        "keras_dvi.unpack. NaN: the inputs or the weights hold NaN or infinite values (check the "
+        "data; `validate=True` on the first layer names them inside fit)"
     )
     bound = -NEGATIVE_VARIANCE_TOLERANCE * (1.0 + ops.square(mean))
     value, bound_value = _concrete(variance), _concrete(bound)

@@ -113,3 +113,16 @@ def model_gradients(model, inputs, loss_of_outputs=None, training=False):
         loss = loss_of_outputs(out) + sum(model.losses)
     grads = tape.gradient(loss, model.trainable_variables)
     return to_numpy(out), [None if g is None else to_numpy(g) for g in grads]
+
+
+def random_gaussian(rng, batch, k, scale=1.0):
+    """`(mean (batch, k), covariance (batch, k, k))`: random Gaussians, well conditioned."""
+    g = rng.normal(size=(batch, k, k))
+    cov = scale * (g @ np.swapaxes(g, 1, 2) / k + 0.05 * np.eye(k))
+    return rng.normal(size=(batch, k)), cov
+
+
+def mc_gaussian(rng, mean, cov, n):
+    """`n` draws of each Gaussian of `random_gaussian`: `(batch, n, k)`."""
+    chol = np.linalg.cholesky(cov)
+    return mean[:, None, :] + np.einsum("bij,bnj->bni", chol, rng.normal(size=(mean.shape[0], n, mean.shape[1])))

@@ -37,7 +37,7 @@ JAX_SUITE = [
     "tests/test_layers.py::test_trains_with_model_fit_on_packed_outputs",
     "tests/test_layers.py::test_saved_model_predicts_the_same",
     # losses and moments at their numerical edges (values and gradients)
-    "tests/test_objective.py::test_losses_finite_at_extreme_values",
+    "tests/test_losses.py::test_losses_finite_at_extreme_values",
     "tests/test_moments.py::test_owens_t_gradients_match_closed_form",
     "tests/test_moments.py::test_cross_covariance_finite_values_and_gradients_at_edges",
     "tests/test_moments.py::test_moments_and_slope_gradients_match_finite_differences[relu]",

@@ -6,7 +6,6 @@ import textwrap
 
 import keras
 import numpy as np
-import pytest
 
 from keras_dvi import DenseDiagDVI, DenseDVI, EmpiricalBayesRegularizer, HeteroscedasticELL, SkipDVI
 

@@ -1,10 +1,11 @@
-"""The MNIST CNN benchmark's helpers (`benchmarks/images.py`, `benchmarks/cnn_noise_check.py`)."""
+"""The MNIST CNN benchmark's helpers (`benchmarks/images.py`, `benchmarks/experiments/cnn_noise_check.py`)."""
 
 import keras
 import numpy as np
 
 import keras_dvi as kd
-from benchmarks import cnn_noise_check, images
+from benchmarks import images
+from benchmarks.experiments import cnn_noise_check
 
 
 def test_mean_network_computes_the_dvi_cnns_posterior_mean_function():

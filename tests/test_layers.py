@@ -3,7 +3,6 @@
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_dvi
 from keras_dvi import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI, predict_samples, sampling, unpack
@@ -263,7 +262,7 @@ def test_set_posterior_errors():
 
 def test_predict_samples_of_a_moment_network_errors_and_reproducibility():
     """Monte Carlo over the weights of a DVI network, `(batch, samples, units)` like every
-    sampled output; the deprecated `sample_outputs` returns the same draws sample-first."""
+    sampled output."""
     model = keras.Sequential([keras.Input((3,)), DenseDVI(4, "relu"), DenseDVI(1)])
     x = _x()
     with pytest.raises(ValueError, match="num_samples"):
@@ -281,9 +280,6 @@ def test_predict_samples_of_a_moment_network_errors_and_reproducibility():
     # Without a seed too: one row in two batches gets the same draws (one function per sample).
     twice = predict_samples(model, np.concatenate([x[:1], x[:1]]), 50, batch_size=1)
     np.testing.assert_allclose(twice[0], twice[1], rtol=1e-5, atol=1e-6)
-    with pytest.warns(DeprecationWarning, match="predict_samples"):
-        old = keras_dvi.sample_outputs(model, x, 50, seed=3)
-    np.testing.assert_array_equal(old, np.swapaxes(b, 0, 1))
     # The same weights are used for every row of x within one sample: a linear model's
     # samples are exactly affine in x.
     lin = keras.Sequential([keras.Input((1,)), DenseDVI(1)])
@@ -416,6 +412,9 @@ def test_trains_with_model_fit_on_packed_outputs():
 
 
 def test_public_api():
-    assert keras_dvi.__version__
-    for name in ("DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "unpack", "predict_samples", "sample_outputs"):
-        assert hasattr(keras_dvi, name)
+    """Every name in `keras_dvi.__all__` resolves; the names of unreleased versions are gone."""
+    assert keras_dvi.__version__ == "0.1.0"
+    for name in keras_dvi.__all__:
+        assert getattr(keras_dvi, name) is not None, name
+    for name in ("KLWarmup", "SampledGaussianELL", "sample_outputs"):
+        assert not hasattr(keras_dvi, name), name

@@ -44,6 +44,7 @@ def test_main_job_prints_results_writes_a_plot_and_beats_a_constant_gaussian(tmp
     assert test_ll > 0.8  # measured: 0.987 (baseline -0.45)
     assert test_rmse < 0.18  # measured: 0.167 (constant prediction: 0.37)
     assert "true mean and noise:" in out and re.search(r"plain Keras network.*log-likelihood\s+-?\d", out)
+    assert "moves with the seed" in out  # the reference's figure is not promised
     # No start-up noise: TensorFlow's native notices are dropped, nothing else is written.
     assert "oneDNN" not in run.stderr and "cuda" not in run.stderr, run.stderr[-2000:]
     from matplotlib import image
@@ -58,6 +59,12 @@ def test_main_job_help_answers_before_keras_is_imported():
     run = subprocess.run([sys.executable, "-X", "importtime", "-m", "keras_dvi", "--help"],
                          capture_output=True, text=True, timeout=120, check=True)
     assert "--data" in run.stdout and "--reference" in run.stdout
+    # Every option states its default.
+    options = re.split(r"\n  (?=-)", run.stdout.split("options:", 1)[1])[1:]
+    assert len(options) == 12, options
+    for option in options:
+        if not option.startswith("-h"):
+            assert "(default:" in option, option
     imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if "|" in line}
     assert "json" in imported or "argparse" in imported  # the listing is there
     assert not {"keras", "tensorflow", "jax", "numpy"} & imported

@@ -6,7 +6,6 @@ import itertools
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from scipy import integrate, special, stats
 
 from keras_dvi import moments

@@ -1,10 +1,9 @@
-"""TAGI (issue 24): the closed-form updates against the exact Bayesian posterior of linear-Gaussian
+"""TAGI: the closed-form updates against the exact Bayesian posterior of linear-Gaussian
 models, against a direct NumPy evaluation of the paper's equations (written unit by unit,
 independently of `keras_dvi.tagi`), the classification tree against Appendix C, the 1D toy of
 the paper's Figure 5, and `TAGIModel` inside Keras' `fit` / `evaluate` / `predict` / save.
 Runs on TensorFlow here and on JAX through `test_backends.py`."""
 
-import math
 
 import keras
 import numpy as np
@@ -14,6 +13,7 @@ from scipy import stats
 
 import keras_dvi as kd
 from keras_dvi import tagi
+from keras_dvi.tagi import steps as tagi_steps
 
 
 def _tensor(a, dtype="float64"):
@@ -257,7 +257,7 @@ def _numpy_tagi_conv_step(x, y, layers, params, noise, forward):
         dm, ds = dm * J, ds * J**2
         if kind == "dense":
             gm, gs = patches.T @ dm, (patches**2).T @ ds
-            dm_b, ds_b, axes = dm, ds, 0
+            axes = 0
         else:
             f = mw.shape[-1]
             flat_dm, flat_ds = dm.reshape(batch, -1, f), ds.reshape(batch, -1, f)
@@ -342,16 +342,16 @@ def test_conv_update_matches_the_papers_equations(name, forward):
     for layer in layers:
         if layer[0] == "conv":
             kernel = (layer[3],) * 2 if isinstance(layer[3], int) else layer[3]
-            steps.append(tagi.Conv(layer[1], kernel[1:] if one_d else kernel, layer[2]))
+            steps.append(tagi_steps.ConvStep(layer[1], kernel[1:] if one_d else kernel, layer[2]))
         elif layer[0] == "pool":
             k = (layer[1],) * 2 if isinstance(layer[1], int) else layer[1]
-            steps.append(tagi.AveragePool(k[1:] if one_d else k))
+            steps.append(tagi_steps.AveragePoolStep(k[1:] if one_d else k))
         elif layer[0] == "gap":
-            steps.append(tagi.GlobalAveragePool())
+            steps.append(tagi_steps.GlobalAveragePoolStep())
         elif layer[0] == "flatten":
-            steps.append(tagi.Flatten())
+            steps.append(tagi_steps.FlattenStep())
         else:
-            steps.append(tagi.Dense(layer[1]))
+            steps.append(tagi_steps.DenseStep(layer[1]))
     tensors = []
     for (mw, sw, mb, sb), conv in zip(params, [l for l in layers if l[0] in ("conv", "dense")]):
         k = (lambda w: w[0]) if (one_d and conv[0] == "conv") else (lambda w: w)

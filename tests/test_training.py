@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import keras_dvi as kd
+from keras_dvi import objective
 from tests.conftest import to_numpy
-from tests.test_objective import _numpy_eb_kl, _numpy_nll
+from tests.test_priors import _numpy_eb_kl, _numpy_nll
 
 
 def _data(n=64, seed=0):
@@ -243,21 +244,6 @@ def test_the_schedule_resumes_after_saving(tmp_path):
     assert float(to_numpy(loaded.layers[1].kl_weight_value(training=True))) == pytest.approx(0.5 * 4 / 10)
 
 
-def test_deprecated_kl_warmup_callback_still_sets_the_schedule():
-    x, y = _data(seed=4)
-    model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
-    with pytest.warns(DeprecationWarning, match="kl_warmup_steps"):
-        warmup = kd.KLWarmup(delay_steps=2, warmup_steps=4)
-    assert [warmup.weight(s) for s in range(7)] == [0, 0, 0.25, 0.5, 0.75, 1.0, 1.0]
-    history = _frozen_fit(model, x, y, epochs=6, callbacks=[warmup])
-    nll, kl = _parts(model, x, y, 64)
-    np.testing.assert_allclose(history["loss"], nll + np.array([0, 0, 0.25, 0.5, 0.75, 1.0]) * kl, rtol=1e-5)
-    with pytest.raises(ValueError, match="delay_steps"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            kd.KLWarmup(delay_steps=-1)
-
-
 def test_prior_schedule_arguments_are_checked():
     with pytest.raises(ValueError, match="kl_weight"):
         kd.EmpiricalBayesRegularizer(10, kl_weight=0.0)
@@ -339,37 +325,75 @@ def test_class_labels_out_of_range_are_refused():
     assert np.isfinite(model.fit(x, labels - 1, epochs=1, verbose=0).history["loss"][0])
 
 
-@pytest.mark.parametrize("where", ["dense_between", "batch_norm_between", "dropout_between", "dense_head"])
+@pytest.mark.parametrize("where", ["dense_between", "batch_norm_between", "dropout_between", "dense_head",
+                                   "dense_after_flatten"])
 def test_plain_keras_layers_after_a_keras_dvi_layer_are_refused(where):
-    """A plain layer treats the packed mean and covariance rows as numbers. Between keras-dvi
-    layers, building the model warns (once trained silently: variances -0.07, -0.12 in the
-    issue that found this); layers that mix rows are also refused at run time by the negative
-    "variances" they produce, as is a plain head."""
+    """A plain layer treats the packed mean and covariance rows as numbers (between keras-dvi
+    layers it once trained silently: variances -0.07, -0.12 in the issue that found this; after
+    the last one, `model(x)` and `keras_dvi.predict` returned its garbage). Building the model
+    warns between keras-dvi layers; calling it in any way (eagerly, `predict`,
+    `keras_dvi.predict`, `fit`, on every backend) is refused with an error that names the plain
+    layer and the keras-dvi layer it reads, before Keras names any keras-dvi layer's call."""
     x, y = _data(seed=8)
     prior = kd.EmpiricalBayesRegularizer(64)
-    layers = [keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior)]
-    if where == "dense_head":
-        layers += [kd.DenseDVI(1, regularizer=prior), keras.layers.Dense(2)]
+    if where == "dense_after_flatten":
+        x = np.random.default_rng(8).normal(size=(64, 6, 6, 1)).astype("float32")
+        plain = keras.layers.Dense(2)
+        layers = [keras.Input((6, 6, 1)), kd.Conv2DDVI(3, 3, regularizer=prior), kd.FlattenDVI(), plain]
+    elif where == "dense_head":
+        plain = keras.layers.Dense(2)
+        layers = [keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior), kd.DenseDVI(1, regularizer=prior),
+                  plain]
     else:
         plain = {"dense_between": keras.layers.Dense(8), "batch_norm_between": keras.layers.BatchNormalization(),
                  "dropout_between": keras.layers.Dropout(0.1)}[where]
-        layers += [plain, kd.DenseDVI(2, regularizer=prior)]
+        layers = [keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior), plain,
+                  kd.DenseDVI(2, regularizer=prior)]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         model = keras.Sequential(layers)
     built = [str(w.message) for w in record if "that no keras-dvi layer produced" in str(w.message)]
-    assert len(built) == (0 if where == "dense_head" else 1)
+    assert len(built) == (1 if where.endswith("between") else 0)
     if built:
         assert f"{type(plain).__name__}" in built[0] and "Remove the plain layer" in built[0]
-    if where == "dropout_between":
-        return  # Dropout keeps variances >= 0: the warning above is what tells
+    producer = layers[-2] if not where.endswith("between") else layers[1]
+    message = (rf"Layer {type(plain).__name__} '{plain.name}' of model '{model.name}' reads the output of "
+               rf"{type(producer).__name__} '{producer.name}'")
+    for call in (lambda: model(x), lambda: model(x, training=True), lambda: model.predict(x, verbose=0)):
+        with pytest.raises(ValueError, match=message) as error:
+            call()
+        assert "Conv2DDVI.call" not in str(error.value) and "DenseDiagDVI.call" not in str(error.value)
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+    with pytest.raises(ValueError, match=message):
+        kd.predict(model, x)
+    with pytest.raises(ValueError, match=message):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+def test_a_subclassed_model_with_a_plain_head_is_refused_at_run_time():
+    """Without a symbolic graph the plain layer cannot be named; the negative "variances" a
+    row-mixing layer produces are refused where the loss reads them (eager; TensorFlow's
+    `fit`; under JAX the loss is NaN, not a silently wrong model)."""
+    x, y = _data(seed=8)
+    prior = kd.EmpiricalBayesRegularizer(64)
+
+    class PlainHead(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.body = kd.DenseDVI(1, regularizer=prior)
+            self.head = keras.layers.Dense(2, bias_initializer="ones")  # "variances" of -1 - ...
+
+        def call(self, inputs, training=None):
+            return -self.head(self.body(inputs, training=training))
+
+    model = PlainHead()
     model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
     with pytest.raises(ValueError, match="sits between keras-dvi layers"):
-        kd.HeteroscedasticELL()(y, model(x)) if where == "dense_head" else model(x, training=True)
+        kd.HeteroscedasticELL()(y, model(x))
     if keras.backend.backend() == "tensorflow":
         with pytest.raises(Exception, match="sits between keras-dvi layers or after the last one"):
             model.fit(x, y, epochs=1, verbose=0)
-    else:  # no assertions inside a compiled JAX step: NaN, not a silently wrong model
+    else:
         assert np.isnan(model.fit(x, y, epochs=1, verbose=0).history["loss"][0])
 
 
@@ -385,25 +409,9 @@ def test_a_nested_keras_dvi_model_keeps_working():
     np.testing.assert_allclose(keras.ops.convert_to_numpy(model(x)), keras.ops.convert_to_numpy(flat(x)), rtol=1e-6)
 
 
-def test_deprecated_kl_warmup_callback_reaches_global_inducing_layers():
-    """`KLWarmup` once set the KL weight of `GlobalInducingDense` networks too: it still does.
-    One step per epoch, weights frozen: `loss == nll + w * kl` epoch by epoch."""
-    x, y = _data(seed=9)
-    model = keras.Sequential([keras.Input((2,)),
-                              kd.GlobalInducingDense(4, "relu", num_inducing=5, regularizer=kd.NealPrior(64), num_samples=2),
-                              kd.GlobalInducingDense(1, output_layer=True), kd.SampledHomoscedasticNoise()])
-    model.compile(keras.optimizers.SGD(0.0), loss=kd.SampledHeteroscedasticELL())
-    with pytest.warns(DeprecationWarning):
-        warmup = kd.KLWarmup(delay_steps=2)
-    history = model.fit(x, y, batch_size=64, epochs=3, shuffle=False, verbose=0, callbacks=[warmup]).history
-    weight = np.array([0.0, 0.0, 1.0])
-    np.testing.assert_allclose(history["loss"], np.array(history["nll"]) + weight * np.array(history["kl"]), rtol=1e-5)
-    assert history["kl"][0] != 0.0
-
-
 def test_global_inducing_layers_take_the_kl_schedule_from_their_prior():
-    """`GlobalInducingDense` had no KL weight or warm-up but through the deprecated callback;
-    its prior now carries them as every keras-dvi prior does (and later layers inherit it)."""
+    """`GlobalInducingDense`'s prior carries the KL weight and warm-up as every keras-dvi prior
+    does (and later layers inherit it)."""
     x, y = _data(seed=14)
     prior = kd.NealPrior(num_train=64, kl_weight=0.5, kl_warmup_steps=4)
     model = keras.Sequential([keras.Input((2,)),
@@ -556,14 +564,31 @@ def test_a_keras_loss_on_a_subclassed_keras_dvi_model_warns():
             pass
 
 
-def test_flatten_between_keras_dvi_layers_warns():
-    """`Flatten` turned packed moments into 2-D "data" for the next keras-dvi layer, silently."""
+def test_flatten_between_keras_dvi_layers_is_refused_or_warned():
+    """`Flatten` turned packed moments into 2-D "data" for the next keras-dvi layer, silently. In
+    a `Sequential` model it is refused by name; in a subclassed model (no symbolic graph to read)
+    the first training step warns that two keras-dvi layers take data inputs."""
     x, y = _data(seed=12)
     prior = kd.EmpiricalBayesRegularizer(640)
     model = keras.Sequential([keras.Input((2,)), kd.DenseDiagDVI(8, "relu", regularizer=prior),
                               keras.layers.Flatten(), kd.DenseDVI(2, regularizer=prior)])
     model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
-    messages = [m for m in _fit_messages(model, x, y, epochs=2, batch_size=32) if "both take data" in m]
+    with pytest.raises(ValueError, match="Layer Flatten 'flatten.*' of model .* reads the output of DenseDiagDVI"):
+        model.fit(x, y, epochs=1, batch_size=32, verbose=0)
+
+    class Flattened(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.body = kd.DenseDiagDVI(8, "relu", regularizer=prior)
+            self.flatten = keras.layers.Flatten()
+            self.head = kd.DenseDVI(2, regularizer=prior)
+
+        def call(self, inputs, training=None):
+            return self.head(self.flatten(self.body(inputs, training=training)), training=training)
+
+    subclassed = Flattened()
+    subclassed.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+    messages = [m for m in _fit_messages(subclassed, x, y, epochs=2, batch_size=32) if "both take data" in m]
     assert len(messages) == 1 and "Flatten" in messages[0]
 
 
@@ -609,3 +634,58 @@ def test_no_keras_dvi_module_holds_state():
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     record = getattr(model, kd.objective.RECORD)  # the step's hand-off lives on the model, closed
     assert not record.open and record.kl == [] and record.produced == []
+
+
+def _wine(seed=0):
+    from sklearn.datasets import load_wine
+
+    x, y = load_wine(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x = ((x - x.mean(0)) / x.std(0)).astype("float32")
+    return x[order[:124]], y[order[:124]].astype("int32")
+
+
+def _wine_classifier(prior):
+    model = keras.Sequential([keras.Input((13,)), kd.DenseDiagDVI(100, "relu", regularizer=prior),
+                              kd.DenseDiagDVI(100, "relu", regularizer=prior), kd.DenseDVI(3, regularizer=prior)])
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
+    return model
+
+
+def test_prediction_information_against_its_definition():
+    """`objective.prediction_information` is the mutual information between the input and the
+    predicted class over a batch: scipy's entropies of the average and of each prediction."""
+    from scipy import stats
+
+    rng = np.random.default_rng(3)
+    p = rng.dirichlet(np.ones(4) * 0.5, size=32)
+    information, spread = (float(to_numpy(v)) for v in objective.prediction_information(keras.ops.convert_to_tensor(p)))
+    np.testing.assert_allclose(spread, stats.entropy(p.mean(0)), rtol=1e-5)
+    np.testing.assert_allclose(information, stats.entropy(p.mean(0)) - np.mean(stats.entropy(p.T)), rtol=1e-4)
+    same = np.tile(p[:1], (32, 1))  # the same prediction for every input: no information
+    assert abs(float(to_numpy(objective.prediction_information(keras.ops.convert_to_tensor(same))[0]))) < 1e-6
+    one_hot = np.eye(4)[np.arange(32) % 4]  # confident and spread over the classes: log 4
+    np.testing.assert_allclose(float(to_numpy(objective.prediction_information(keras.ops.convert_to_tensor(one_hot))[0])),
+                               np.log(4), rtol=1e-5)
+
+
+def test_a_classifier_collapsed_to_its_prior_is_named():
+    """scikit-learn's wine (124 training rows, about 12,000 weights) with the defaults: after the
+    KL warm-up the full ELBO holds the predictions near the class frequencies for every input.
+    `fit` says so once, naming the network and the fixes; the tempered recipe, which trains,
+    does not warn, and neither does a regression network."""
+    x, y = _wine()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _wine_classifier(kd.EmpiricalBayesRegularizer(len(x))).fit(x, y, epochs=100, batch_size=64, verbose=0)
+    collapsed = [str(w.message) for w in record if "collapsed to its prior" in str(w.message)]
+    assert len(collapsed) == 1, collapsed
+    assert "'dense_diag_dvi" in collapsed[0] and "kl_weight=0.03" in collapsed[0] and "Bayesian last layer" in collapsed[0]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        tempered = _wine_classifier(kd.EmpiricalBayesRegularizer(len(x), kl_weight=0.03))
+        tempered.fit(x, y, epochs=100, batch_size=64, verbose=0)
+        regression = _model("sequential", kd.EmpiricalBayesRegularizer(64))
+        _frozen_fit(regression, *_data(seed=5), epochs=3)
+    assert not [w for w in record if "collapsed" in str(w.message)]
+    assert (kd.predict(tempered, x)["label"] == y).mean() > 0.9

@@ -248,11 +248,11 @@ def test_tagi_noise_search_finds_the_best_noise_of_a_gaussian_score(best):
 
 
 def test_noise_grid_analysis_recovers_a_gaussian_score():
-    """`benchmarks/tagi_noise_grid.py` on cross-validated log-likelihoods made by the closed
+    """`benchmarks/experiments/tagi_noise_grid.py` on cross-validated log-likelihoods made by the closed
     form `c - log s - R / (2 s^2)` on uci.py's grid: the best `sigma_V` is `sqrt(R)`, the gain
     over the chosen grid point is the closed form's, and the check at the third point is 0;
     a curve that is not of that form shows in the check."""
-    from benchmarks import tagi_noise_grid as grid
+    from benchmarks.experiments import tagi_noise_grid as grid
 
     c, residual = 1.3, 0.237 ** 2
     cv = {str(s): c - math.log(s) - residual / (2 * s ** 2) for s in uci.TAGI_NOISES}
@@ -273,7 +273,7 @@ def test_guard_check_reports_whether_a_guard_acts(folder, tmp_path, noise, guard
     """`tagi_guard_check.py` trains a split with and without a guard: identical weights where the
     guard never acts (the variance guard, at a large sigma_V), different where it does (the
     cap, at a tiny sigma_V, whose updates are large)."""
-    from benchmarks import tagi_guard_check
+    from benchmarks.experiments import tagi_guard_check
 
     name = os.path.basename(os.path.normpath(folder))
     cache = tmp_path / "results" / name / "tagi"

@@ -1,12 +1,12 @@
 """Whether one of TAGI's guards acts on a UCI data set: each split is trained twice with the
 paper's protocol (`benchmarks/uci.py`'s TAGI: 1 x 50 units, batches of 10, 40 epochs, its
 cached cross-validated `sigma_V` and seed), with the guard and without it, and the weights and
-test scores compared. `--guard shrink`: the variance guard `keras_dvi.tagi.MAX_SHRINK` (not in
+test scores compared. `--guard shrink`: the variance guard `keras_dvi.tagi.maths.MAX_SHRINK` (not in
 the paper; on against off). `--guard cap`: the update cap `max_step=1` (the conv networks'
 default, off for dense ones) against no cap.
 
-    python benchmarks/tagi_guard_check.py --data ../shared/uci/kin8nm --splits 0 1 2
-    python benchmarks/tagi_guard_check.py --guard cap --data ../shared/uci/yacht --splits 0
+    python benchmarks/experiments/tagi_guard_check.py --data ../shared/uci/kin8nm --splits 0 1 2
+    python benchmarks/experiments/tagi_guard_check.py --guard cap --data ../shared/uci/yacht --splits 0
 """
 
 import argparse
@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
 import uci  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main(argv=None):
 
     name = os.path.basename(os.path.normpath(args.data))
     options = argparse.Namespace(tagi_forward="linearized", tagi_init="xavier", seed=0)
-    shrink, lines = kd.tagi.MAX_SHRINK, []
+    shrink, lines = kd.tagi.maths.MAX_SHRINK, []
     # (label, MAX_SHRINK, max_step) with the guard, then without it
     settings = ([("with the guard", shrink, "auto"), ("without", 0.0, "auto")] if args.guard == "shrink"
                 else [("capped at 1", shrink, 1.0), ("uncapped", shrink, None)])
@@ -45,11 +45,11 @@ def main(argv=None):
             noise = json.load(f)["observation_noise"]
         runs = []
         for label, guard, max_step in settings:
-            kd.tagi.MAX_SHRINK = guard  # read when the update is traced
+            kd.tagi.maths.MAX_SHRINK = guard  # read when the update is traced
             try:
                 model = uci.tagi_fit(data["x"], data["y"], noise, options.seed + split, options, max_step)
             finally:
-                kd.tagi.MAX_SHRINK = shrink
+                kd.tagi.maths.MAX_SHRINK = shrink
             runs.append((label, [np.asarray(v.value) for v in model.trainable_variables],
                          uci.tagi_scores(model, data["x_test"], data["y_test"], data["y_std"])))
         difference = max(float(np.abs(a - b).max()) for a, b in zip(runs[0][1], runs[1][1]))

@@ -11,8 +11,8 @@ the best `sigma_V` and the gain over the chosen one. No test row is read. Record
 refined search (`--tagi-noise-search refine`, the default since) hold more points: only the
 grid's are read here, and "chosen" is the grid's choice.
 
-    python benchmarks/tagi_noise_grid.py                     # every data set cached
-    python benchmarks/tagi_noise_grid.py --results benchmarks/results/uci --datasets power
+    python benchmarks/experiments/tagi_noise_grid.py                     # every data set cached
+    python benchmarks/experiments/tagi_noise_grid.py --results benchmarks/results/uci --datasets power
 """
 
 import argparse
@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
 from uci import TAGI_NOISES  # noqa: E402 - the grid uci.py searches first
 
 

@@ -1,18 +1,18 @@
 """Keras layers of keras-dvi."""
 
+from keras_dvi.layers.add_dvi import AddDVI
 from keras_dvi.layers.base import BayesianLayer
 from keras_dvi.layers.conv_dvi import Conv1DDVI, Conv2DDVI
 from keras_dvi.layers.conv_mcvi import Conv1DMCVI, Conv2DMCVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.dense_dvi import DenseDVI
 from keras_dvi.layers.dense_mcvi import DenseMCVI
+from keras_dvi.layers.flatten_dvi import FlattenDVI
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.pooling_dvi import (
-    AddDVI,
     AveragePooling1DDVI,
     AveragePooling2DDVI,
-    FlattenDVI,
     GlobalAveragePooling1DDVI,
     GlobalAveragePooling2DDVI,
     MaxPooling1DDVI,

@@ -268,6 +268,13 @@ class BayesianLayer(ELBOReportingLayer):
     def _moments(self, mean, second, kind):
         raise NotImplementedError
 
+    def _reads_data(self, input_shape):
+        """Whether inputs of `input_shape` are data (dense forms; conv layers override it)."""
+        try:
+            return packing.structure_of_shape(input_shape)[0] == packing.DETERMINISTIC
+        except ValueError:
+            return None
+
     # ---------------------------------------------------------------- Monte Carlo
 
     def _sample_inputs(self, inputs, context):
@@ -371,17 +378,18 @@ class DenseBase(BayesianLayer):
         """A layer whose posterior means are the weights of a built `keras.layers.Dense`.
 
         Args:
-            dense: a built `keras.layers.Dense` with a linear or ReLU activation.
+            dense: a built `keras.layers.Dense` with a linear, ReLU or leaky ReLU activation.
             kernel_variance: initial posterior variance of the kernel (`None`: the default).
             bias_variance: initial posterior variance of the bias (`None`: the default).
-            **kwargs: other constructor arguments of this class.
+            **kwargs: other constructor arguments of this class (`activation=` overrides the
+                dense layer's).
 
         Returns:
             A built layer of this class.
         """
         if not isinstance(dense, keras.layers.Dense) or not dense.built:
             raise ValueError("Argument `dense` must be a built keras.layers.Dense layer.")
-        activation = getattr(dense.activation, "__name__", None)
+        activation = kwargs.pop("activation", getattr(dense.activation, "__name__", None))
         kwargs.setdefault("use_bias", dense.use_bias)
         layer = cls(
             dense.units,
@@ -421,6 +429,7 @@ class SampledPosterior:
     """
 
     data_rank = 2
+    outputs_moments = False  # weight samples
 
     def __init__(self, *args, num_samples=10, seed=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -432,6 +441,9 @@ class SampledPosterior:
 
     def takes_packed(self, shape):
         return False  # weight samples: plain layers may act on them per sample (`KerasDVILayer`)
+
+    def _reads_data(self, input_shape):
+        return len(input_shape) == self.data_rank if isinstance(input_shape, tuple) else None
 
     def _output_samples(self, input_shape):
         return self.num_samples if len(input_shape) == self.data_rank else input_shape[1]

@@ -2,19 +2,29 @@
 
 keras-dvi layers pass each other packed moments `(batch, 2 or K + 1, K)` (feature maps:
 `(batch, 3, *spatial, channels)`) or weight samples `(batch, samples, K)`: tensors that only
-keras-dvi layers can read. A plain Keras layer
-placed between them (`Dropout`, `BatchNormalization`, `Dense`, `Activation`, ...) would treat
-the mean and (co)variance rows, or the samples, as numbers and silently break the model.
+keras-dvi layers and keras-dvi losses can read. A plain Keras layer placed between them or
+after the last one (`Dropout`, `BatchNormalization`, `Dense`, `Activation`, ...) would treat
+the mean and (co)variance rows as numbers and silently break the model.
 
 When a functional or `Sequential` model is built, Keras asks each layer for its output's
 spec; a keras-dvi layer then stamps its symbolic output with itself (`producer_of` reads the
-stamp; no private Keras attribute is read), and warns, naming the fix, when a packed symbolic
-input (`KerasDVILayer.takes_packed`) reaches it that no keras-dvi layer produced. Plain layers before the first keras-dvi
-layer (whose 2-D output is data) stay welcome. It is a warning, not an error, because one
-legitimate case looks the same: the output of a nested keras-dvi model (a `Model` used as a
-layer), whose output Keras rebuilds without the stamp. Plain layers that mix rows
-(`Dense`, `BatchNormalization`) are also refused at run time, by the negative variances they
-produce (`keras_dvi.validation.check_moments`).
+stamp; no private Keras attribute is read). Two checks read the stamps:
+
+* `check_structure(model)`: a plain layer of the model whose input is a keras-dvi layer's
+  packed moments is refused with a `ValueError` naming both layers. It runs when the model is
+  called (eagerly, in `predict`, in a step of `fit` / `evaluate`; once per model) and in
+  `keras_dvi.predict`, before Keras wraps the call of the layer that runs it, so the message
+  leads. Plain layers before the first keras-dvi layer (whose output is data) are welcome, and
+  so are plain layers acting on weight samples (`keras.layers.TimeDistributed(...)` after
+  `Conv2DMCVI`).
+* at build time, a keras-dvi layer warns when a packed symbolic input
+  (`KerasDVILayer.takes_packed`) reaches it that no keras-dvi layer produced (a subclassed
+  or nested model's own plumbing): a warning, because the output of a nested keras-dvi model
+  (a `Model` used as a layer), which Keras rebuilds without the stamp, looks the same.
+
+Plain layers that mix rows (`Dense`, `BatchNormalization`) in models without stamps
+(subclassed ones) are refused at run time by the negative variances they produce
+(`keras_dvi.validation.check_moments`).
 """
 
 import functools
@@ -23,7 +33,7 @@ import warnings
 
 import keras
 
-from keras_dvi import objective
+from keras_dvi import network, objective
 
 #: The attribute of a symbolic tensor naming the keras-dvi layer that produced it.
 PRODUCER = "keras_dvi_producer"
@@ -35,7 +45,12 @@ def producer_of(tensor):
 
 
 class KerasDVILayer(keras.layers.Layer):
-    """A Keras layer that reads and writes keras-dvi tensors (see the module docstring)."""
+    """A Keras layer that reads and writes keras-dvi tensors (see the module docstring).
+
+    `outputs_moments`: whether its outputs are packed moments (`False` for layers whose outputs
+    are weight samples, on which plain layers may act per sample)."""
+
+    outputs_moments = True
 
     def takes_packed(self, shape):
         """Whether an input of `shape` is a keras-dvi tensor (packed moments or weight samples)
@@ -47,8 +62,11 @@ class KerasDVILayer(keras.layers.Layer):
 
     def __call__(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
-        if not getattr(self, "_in_symbolic_graph", False):  # checked at build otherwise
-            objective.check_inputs(self, inputs)
+        if not any(keras.utils.is_keras_tensor(t) for t in keras.tree.flatten(inputs)):  # not a symbolic build
+            if not getattr(self, "_in_symbolic_graph", False):  # (its stamps are checked at build)
+                objective.check_inputs(self, inputs)
+            if getattr(self, "elbo_tracker", None) is not None or not self.built:  # the network's first layer
+                check_running_models(self)  # (here, not in `call`: Keras would name this layer's call)
         outputs = super().__call__(*args, **kwargs)
         objective.record_outputs(outputs)
         return outputs
@@ -78,6 +96,68 @@ class KerasDVILayer(keras.layers.Layer):
         for output in keras.tree.flatten(outputs):
             setattr(output, PRODUCER, self)
         return outputs
+
+
+# ------------------------------------------------------------- plain layers reading moments
+
+
+def plain_readers(model):
+    """`[(plain layer, keras-dvi layer)]`: the plain Keras layers of `model` (a functional or
+    `Sequential` model; nested models included) whose input is the packed moments of a
+    keras-dvi layer, each with that layer. Read from the stamps of the symbolic graph (a
+    subclassed model has none: `[]`)."""
+    found = []
+    for layer in network.layers_of(model):
+        if isinstance(layer, (KerasDVILayer, keras.Model, keras.layers.Identity)):  # (an identity changes nothing)
+            continue
+        try:
+            inputs = layer.input
+        except (AttributeError, ValueError):  # never called on a symbolic tensor
+            continue
+        producers = [producer_of(t) for t in keras.tree.flatten(inputs)]
+        producers = [p for p in producers if p is not None and p.outputs_moments]
+        if producers:
+            found.append((layer, producers[0]))
+    return found
+
+
+def check_structure(model):
+    """Refuses a plain Keras layer that reads keras-dvi moments in `model` (`plain_readers`),
+    with a `ValueError` naming it, the layer it reads and the fix."""
+    readers = plain_readers(model)
+    if not readers:
+        return
+    plain, producer = readers[0]
+    raise ValueError(
+        f"Layer {type(plain).__name__} {plain.name!r} of model {model.name!r} reads the output of "
+        f"{type(producer).__name__} {producer.name!r}, which is keras-dvi's packed means and "
+        "(co)variances, not activations: a plain Keras layer treats those rows as numbers and the "
+        "model's predictions and loss would be silently wrong. Remove it, or use the keras-dvi layer "
+        "for the job: keras-dvi layers take each other's outputs directly, apply their own "
+        "activation (`activation=`) and model weight noise themselves (no Dropout needed); "
+        "`keras_dvi.FlattenDVI` / `AddDVI` / `MaxPooling2DDVI` replace Flatten / Add / MaxPooling2D "
+        "after keras-dvi conv layers; a keras-dvi layer ends the model (read its output with "
+        "`keras_dvi.predict` or `keras_dvi.unpack`). Plain layers are welcome before the first "
+        "keras-dvi layer."
+    )
+
+
+def check_running_models(layer):
+    """Called by a network's first keras-dvi layer outside a symbolic build: checks the models
+    running it (the one stepped by `fit` / `evaluate`, else those whose `call` is on the Python
+    call stack: an eager `model(x)`, `predict`), once per model and size. In a step of `fit` /
+    `evaluate` it also refuses Keras' own losses and metrics (`check_compiled_model`)."""
+    stepping = objective.stepping_model()
+    models = [stepping] if stepping is not None else objective.calling_models()
+    checked = getattr(layer, "_checked_structure", ())
+    for model in models:
+        key = (id(model), len(model.layers))
+        if key not in checked:
+            check_structure(model)
+            checked = checked + (key,)
+            layer._checked_structure = checked
+    if stepping is not None:
+        check_compiled_model(layer, stepping)
 
 
 # ------------------------------------------------------------- the model's compiled loss and metrics
@@ -178,15 +258,13 @@ def _label(entry):
     return entry if isinstance(entry, str) else getattr(entry, "name", None) or getattr(entry, "__name__", repr(entry))
 
 
-def check_compiled_model(layer):
-    """Refuses Keras' own losses and metrics on the keras-dvi outputs of the model being trained
-    or evaluated (`keras_dvi.objective.stepping_model`), naming them and the keras-dvi replacement: a
-    `ValueError` for a functional or `Sequential` model, whose outputs' producers are known,
-    and a warning for a subclassed one (its outputs cannot be traced to their layers). Checked
-    once per compiled step function; `layer` is the network's first keras-dvi layer."""
-    model = objective.stepping_model()
-    if model is None:
-        return
+def check_compiled_model(layer, model):
+    """Refuses Keras' own losses and metrics on the keras-dvi outputs of `model`, the model being
+    trained or evaluated (`keras_dvi.objective.stepping_model`), naming them and the keras-dvi
+    replacement: a `ValueError` for a functional or `Sequential` model, whose outputs' producers
+    are known, and a warning for a subclassed one (its outputs cannot be traced to their
+    layers). Checked once per compiled step function; `layer` is the network's first keras-dvi
+    layer."""
     key = (id(model), id(model.train_function), id(model.test_function))
     if getattr(layer, "_checked_compile", None) == key:
         return

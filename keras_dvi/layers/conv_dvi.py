@@ -8,42 +8,32 @@ from keras import ops
 
 from keras_dvi import conv_moments, packing, validation
 from keras_dvi.layers.base import BayesianLayer, apply_activation
-
-PADDINGS = ("valid", "same")
-
-
-def _integers(name, value, rank):
-    """`value` as a tuple of `rank` positive integers (one integer is repeated)."""
-    values = (value,) * rank if isinstance(value, int) and not isinstance(value, bool) else value
-    if (not isinstance(values, (tuple, list)) or len(values) != rank
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)):
-        raise ValueError(
-            f"Argument `{name}` must be a positive integer or a tuple of {rank} positive integers; "
-            f"received {name}={value!r}."
-        )
-    return tuple(values)
-
-
-def output_size(size, kernel, stride, padding, dilation=1):
-    """The length of one spatial axis after a convolution or pooling (`None` if unknown)."""
-    if size is None:
-        return None
-    if padding == "same":
-        return -(-size // stride)
-    return (size - (kernel - 1) * dilation - 1) // stride + 1
-
+from keras_dvi.layers.feature_map import (
+    PADDINGS,
+    from_channels_last,
+    integers,
+    output_size,
+    padding as _padding,
+    shape_from_channels_last,
+    shape_to_channels_last,
+    standardize_data_format,
+    to_channels_last,
+)
 
 class ConvBase(BayesianLayer):
     """Base class of the Bayesian convolutions: a factorised Gaussian posterior over a
-    `(*kernel_size, in, filters)` kernel and a bias, Keras' `Conv1D` / `Conv2D` arguments
-    (channels last), and the convolution with sampled kernels (one kernel per sample, shared
-    by every position). Subclasses set `rank`.
+    `(*kernel_size, in, filters)` kernel and a bias, Keras' `Conv1D` / `Conv2D` arguments,
+    and the convolution with sampled kernels (one kernel per sample, shared by every
+    position). Subclasses set `rank`; the maths runs channels last (`_last` / `_restore`
+    transpose channels-first tensors around it).
 
     Args:
         filters: positive integer, the number of output channels.
         kernel_size: positive integer or tuple of `rank` positive integers.
         strides: positive integer or tuple (default 1).
         padding: `"valid"` (default) or `"same"`.
+        data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
+            `keras.config.image_data_format()`.
         dilation_rate: positive integer or tuple (default 1); with strides above 1 it must be 1,
             as in Keras.
         activation: as in `BayesianLayer`.
@@ -54,15 +44,15 @@ class ConvBase(BayesianLayer):
 
     rank = None
 
-    def __init__(self, filters, kernel_size, strides=1, padding="valid", dilation_rate=1, activation=None, **kwargs):
+    def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
+                 activation=None, **kwargs):
         super().__init__(activation=activation, **kwargs)
         self.filters = validation.positive_integer("filters", filters, " (output channels)")
-        self.kernel_size = _integers("kernel_size", kernel_size, self.rank)
-        self.strides = _integers("strides", strides, self.rank)
-        self.dilation_rate = _integers("dilation_rate", dilation_rate, self.rank)
-        if not isinstance(padding, str) or padding.lower() not in PADDINGS:
-            raise ValueError(f"Argument `padding` must be 'valid' or 'same'; received padding={padding!r}.")
-        self.padding = padding.lower()
+        self.kernel_size = integers("kernel_size", kernel_size, self.rank)
+        self.strides = integers("strides", strides, self.rank)
+        self.dilation_rate = integers("dilation_rate", dilation_rate, self.rank)
+        self.padding = _padding(padding)
+        self.data_format = standardize_data_format(data_format)
         if max(self.strides) > 1 and max(self.dilation_rate) > 1:
             raise ValueError(
                 "Arguments `strides` and `dilation_rate` cannot both be above 1 (as in Keras' "
@@ -95,6 +85,22 @@ class ConvBase(BayesianLayer):
     def _conv_arguments(self):
         return {"strides": self.strides, "padding": self.padding, "dilation_rate": self.dilation_rate}
 
+    def _last_shape(self, shape):
+        """An input shape (or a pair of shapes) of this layer's data format, channels last."""
+        return shape_to_channels_last(shape, self.rank, self.data_format)
+
+    def _last(self, inputs):
+        """Inputs (a tensor or a pair) of this layer's data format, channels last."""
+        return to_channels_last(inputs, self.rank, self.data_format)
+
+    def _restore_shape(self, shape):
+        """A channels-last output shape in this layer's data format."""
+        return shape_from_channels_last(shape, self.rank, self.data_format)
+
+    def _restore(self, outputs):
+        """A channels-last output tensor in this layer's data format."""
+        return from_channels_last(outputs, self.rank, self.data_format)
+
     def _sample_conv(self, h, context):
         """`conv(h, W) + b` with `W`, `b` drawn from the posterior, one draw per sample: `h`
         `(samples, batch, *spatial, in)` -> `(samples, batch, *out_spatial, filters)`."""
@@ -112,39 +118,41 @@ class ConvBase(BayesianLayer):
     @classmethod
     def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
         """A layer whose posterior means are the weights of a built `keras.layers.Conv1D` /
-        `Conv2D` (of this layer's rank, channels last) with a linear or ReLU activation.
+        `Conv2D` (of this layer's rank) with a linear or ReLU activation.
 
         Args:
             conv: the built Keras convolution.
             kernel_variance: initial posterior variance of the kernel (`None`: the default).
             bias_variance: initial posterior variance of the bias (`None`: the default).
-            **kwargs: other constructor arguments of this class (`regularizer`, ...).
+            **kwargs: other constructor arguments of this class (`regularizer`, ...;
+                `activation=` overrides the convolution's).
 
         Returns:
             A built layer of this class with the same filters, kernel size, strides, padding,
-            dilation, activation and bias.
+            data format, dilation, activation and bias.
         """
         expected = {1: keras.layers.Conv1D, 2: keras.layers.Conv2D}[cls.rank]
         if not isinstance(conv, expected) or not conv.built or getattr(conv, "groups", 1) != 1:
             raise ValueError(f"Argument `conv` must be a built keras.layers.{expected.__name__} layer (groups=1).")
-        if conv.data_format != "channels_last" or conv.padding not in PADDINGS:
-            raise ValueError("Argument `conv` must use data_format='channels_last' and padding 'valid' or 'same'.")
-        activation = getattr(conv.activation, "__name__", None)
+        if conv.padding not in PADDINGS:
+            raise ValueError("Argument `conv` must use padding 'valid' or 'same' (not 'causal').")
+        activation = kwargs.pop("activation", getattr(conv.activation, "__name__", None))
         kwargs.setdefault("use_bias", conv.use_bias)
         layer = cls(
             conv.filters, conv.kernel_size, strides=conv.strides, padding=conv.padding,
-            dilation_rate=conv.dilation_rate, activation=None if activation == "linear" else activation,
+            data_format=conv.data_format, dilation_rate=conv.dilation_rate, activation=None if activation == "linear" else activation,
             kernel_variance_init=kernel_variance, bias_variance_init=bias_variance, **kwargs,
         )
         channels = int(conv.kernel.shape[-2])
-        layer.build((None,) + (None,) * cls.rank + (channels,))
+        layer.build(layer._restore_shape((None,) + (None,) * cls.rank + (channels,)))
         layer.set_posterior(conv.kernel, layer.kernel_variance, conv.bias if conv.use_bias else None)
         return layer
 
     def get_config(self):
         config = super().get_config()
         config.update({"filters": self.filters, "kernel_size": self.kernel_size, "strides": self.strides,
-                       "padding": self.padding, "dilation_rate": self.dilation_rate})
+                       "padding": self.padding, "data_format": self.data_format,
+                       "dilation_rate": self.dilation_rate})
         return config
 
 
@@ -155,15 +163,21 @@ class ConvDVI(ConvBase):
         return len(shape) == self.rank + 3
 
     def build(self, input_shape):
-        kind, _, channels = packing.structure_of_map(input_shape, self.rank)
+        kind, _, channels = packing.structure_of_map(self._last_shape(input_shape), self.rank)
         self._build_kernel(channels, is_head=kind == packing.DETERMINISTIC)
 
+    def _reads_data(self, input_shape):
+        try:
+            return packing.structure_of_map(self._last_shape(input_shape), self.rank)[0] == packing.DETERMINISTIC
+        except ValueError:
+            return None
+
     def compute_output_shape(self, input_shape):
-        _, spatial, _ = packing.structure_of_map(input_shape, self.rank)
-        return packing.map_shape(input_shape, self._output_spatial(spatial), self.filters)
+        _, spatial, _ = packing.structure_of_map(self._last_shape(input_shape), self.rank)
+        return self._restore_shape(packing.map_shape(input_shape, self._output_spatial(spatial), self.filters))
 
     def _propagate(self, inputs, training):
-        mean, variance, shared, kind = packing.split_map(inputs, self.rank)
+        mean, variance, shared, kind = packing.split_map(self._last(inputs), self.rank)
         dtype = self.moment_dtype
         cast = lambda t: None if t is None else ops.cast(t, dtype)  # noqa: E731
         mean, variance, shared = cast(mean), cast(variance), cast(shared)
@@ -174,7 +188,7 @@ class ConvDVI(ConvBase):
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
         moments_a = conv_moments.conv_moments(mean, kernel_mean, kernel_var, bias_mean, bias_var, variance, shared,
                                               **self._conv_arguments())
-        return packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation))
+        return self._restore(packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation)))
 
     def _sample(self, inputs, context):
         if isinstance(inputs, (list, tuple)) or len(inputs.shape) not in (self.rank + 2, self.rank + 3):
@@ -182,10 +196,11 @@ class ConvDVI(ConvBase):
                 "While sampling, keras-dvi conv layers take deterministic (batch, *spatial, channels) "
                 "inputs or (samples, batch, *spatial, channels) samples from another keras-dvi layer."
             )
+        inputs = self._last(inputs)
         if len(inputs.shape) == self.rank + 2:
             inputs = ops.broadcast_to(inputs[None], (context.num_samples,) + tuple(ops.shape(inputs)))
         self._check_channels(int(inputs.shape[-1]))
-        return apply_activation(self._sample_conv(inputs, context), self.activation)
+        return self._restore(apply_activation(self._sample_conv(inputs, context), self.activation))
 
 
 _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propagating per-position moments.
@@ -205,6 +220,10 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
         kernel_size: positive integer or tuple of {rank} positive integers.
         strides: positive integer or tuple (default 1).
         padding: `"valid"` (default) or `"same"` (zero padding, as Keras).
+        data_format: `"channels_last"` (`(batch, {dims}, channels)`) or `"channels_first"`
+            (`(batch, channels, {dims})`); `None` (default) is
+            `keras.config.image_data_format()`. Channels-first tensors are transposed to
+            channels last around the moment maths.
         dilation_rate: positive integer or tuple (default 1).
         activation: `None` (linear), `"relu"`, `"heaviside"` or `"leaky_relu"`.
         use_bias: whether to use a Bayesian bias.
@@ -218,13 +237,15 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Input shape:
-        Data `(batch, {dims}, channels)` (channels last), a packed feature map
-        `(batch, 3, {dims}, channels)` from another keras-dvi layer (a `(batch, 2, ...)` map, or
-        a `(mean, variance)` pair, is read with shared components 0).
+        Data `(batch, {dims}, channels)`, or a packed feature map `(batch, 3, {dims}, channels)`
+        from another keras-dvi layer (a `(batch, 2, ...)` map, or a `(mean, variance)` pair, is
+        read with shared components 0). Channels first: `(batch, channels, {dims})` and
+        `(batch, 3, channels, {dims})`.
 
     Output shape:
-        Packed `(batch, 3, {new_dims}, filters)`: means, variances and shared components.
-        `keras_dvi.unpack(outputs)` returns `(mean, variance)`.
+        Packed `(batch, 3, {new_dims}, filters)` (channels first: `(batch, 3, filters,
+        {new_dims})`): means, variances and shared components. `keras_dvi.unpack(outputs)`
+        returns `(mean, variance)`.
 
     Example:
 

@@ -9,6 +9,12 @@ from keras_dvi.layers.conv_dvi import ConvBase
 class ConvMCVI(SampledPosterior, ConvBase):
     """Base class of `Conv1DMCVI` / `Conv2DMCVI` (see `Conv2DMCVI`)."""
 
+    def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
+                 activation=None, num_samples=10, seed=None, **kwargs):
+        super().__init__(filters, kernel_size, strides=strides, padding=padding, data_format=data_format,
+                         dilation_rate=dilation_rate, activation=activation, num_samples=num_samples, seed=seed,
+                         **kwargs)
+
     @property
     def data_rank(self):
         return self.rank + 2
@@ -17,17 +23,22 @@ class ConvMCVI(SampledPosterior, ConvBase):
         if len(input_shape) not in (self.rank + 2, self.rank + 3):
             raise ValueError(
                 f"{type(self).__name__} expects data (batch, *spatial, channels) or samples (batch, "
-                f"samples, *spatial, channels) from another MCVI layer; received shape {input_shape}."
+                f"samples, *spatial, channels) from another MCVI layer (channels first: channels before "
+                f"the spatial axes); received shape {input_shape}."
             )
+        input_shape = self._last_shape(input_shape)
         self._build_kernel(input_shape[-1], is_head=len(input_shape) == self.rank + 2)
 
     def compute_output_shape(self, input_shape):
-        spatial = input_shape[1:-1] if len(input_shape) == self.rank + 2 else input_shape[2:-1]
-        return (input_shape[0], self._output_samples(input_shape)) + self._output_spatial(spatial) + (self.filters,)
+        last = self._last_shape(input_shape)
+        spatial = last[1:-1] if len(last) == self.rank + 2 else last[2:-1]
+        shape = (last[0], self._output_samples(last)) + self._output_spatial(spatial) + (self.filters,)
+        return self._restore_shape(shape)
 
     def _sampled_forward(self, h, context):
+        h = self._last(h)  # (samples, batch, ...): the channel axis as in samples of the output
         self._check_channels(h.shape[-1])
-        return apply_activation(self._sample_conv(h, context), self.activation)
+        return self._restore(apply_activation(self._sample_conv(h, context), self.activation))
 
 
 _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by sampling (MCVI).
@@ -42,7 +53,14 @@ _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by s
     `keras.layers.TimeDistributed(keras.layers.Flatten())`.
 
     Args:
-        filters, kernel_size, strides, padding, dilation_rate, activation: as `Conv{rank}DDVI`.
+        filters: positive integer, the number of output channels.
+        kernel_size: positive integer or tuple of {rank} positive integers.
+        strides: positive integer or tuple (default 1).
+        padding: `"valid"` (default) or `"same"`.
+        data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
+            `keras.config.image_data_format()`.
+        dilation_rate: positive integer or tuple (default 1).
+        activation: `None` (linear), `"relu"`, `"heaviside"` or `"leaky_relu"`.
         num_samples: kernel draws per call (first layer; later layers follow its sample axis).
         seed: integer seed of the draws (`None`: from Keras' global seed).
         **kwargs: the other arguments of `Conv{rank}DDVI` (`use_bias`, initializers,
@@ -50,10 +68,12 @@ _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by s
 
     Input shape:
         Data `(batch, {dims}, channels)` (first layer), or samples
-        `(batch, samples, {dims}, channels)` from another sampled layer.
+        `(batch, samples, {dims}, channels)` from another sampled layer (channels first:
+        the channels before `{dims}`).
 
     Output shape:
-        `(batch, samples, {new_dims}, filters)`.
+        `(batch, samples, {new_dims}, filters)` (channels first: `(batch, samples, filters,
+        {new_dims})`).
 
     Example:
 

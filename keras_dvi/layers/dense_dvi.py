@@ -13,7 +13,8 @@ class DenseDVI(DenseBase):
     Computes the Gaussian approximation to `activation(h W + b)` by deterministic variational
     inference (Wu et al., ICLR 2019): the linear map is exact (eqs. 3-4), the activation
     moments are exact on the diagonal (Table 1) and, off the diagonal, use either the paper's
-    asymptote plus correction (eqs. 6-7 with the corrected Table 1 of `notes/math.md`) or
+    asymptote plus correction (eqs. 6-7, with Table 1 as corrected in the documentation's
+    mathematics page) or
     the exact bivariate normal closed form.
 
     Args:

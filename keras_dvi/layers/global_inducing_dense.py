@@ -4,7 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import deprecation, inducing, priors, validation
+from keras_dvi import inducing, priors, validation
 from keras_dvi.layers import boundary
 from keras_dvi.layers.reporting import ELBOReportingLayer
 
@@ -27,7 +27,7 @@ class GlobalInducingDense(ELBOReportingLayer):
 
     The weights `W` (bias as one more input row) have the posterior of Bayesian linear
     regression from the features `phi(U)` of `M` inducing points to learned pseudo-outputs `V`
-    with learned precisions `lambda` (eq. 11, `../shared/notes/math.md` section 8):
+    with learned precisions `lambda` (eq. 11):
 
     `Sigma_w = (p I + phi(U)^T diag(lambda) phi(U))^-1`, `M_w = Sigma_w phi(U)^T diag(lambda) V`,
 
@@ -56,10 +56,7 @@ class GlobalInducingDense(ELBOReportingLayer):
         units: positive integer, output width.
         activation: any Keras activation (applied to the sampled pre-activations).
         num_inducing: number of inducing points `M` (first layer; later layers inherit it).
-        num_train: deprecated: pass `regularizer=keras_dvi.NealPrior(num_train=N)`.
         output_layer: `True` for the last layer of the stack.
-        prior: deprecated: `"neal"` / `"standard"` are `regularizer=keras_dvi.NealPrior(...)` /
-            `keras_dvi.StandardPrior(...)`.
         precision: `"shared"` (one `lambda` per inducing point, one Cholesky factor per sample)
             or `"per_unit"` (one per inducing point and output unit, as in the paper's UCI
             runs; one factor per sample and unit).
@@ -103,14 +100,14 @@ class GlobalInducingDense(ELBOReportingLayer):
     >>> model.fit(x, y, epochs=100)
     """
 
+    outputs_moments = False  # weight samples
+
     def __init__(
         self,
         units,
         activation=None,
         num_inducing=None,
-        num_train=None,
         output_layer=False,
-        prior=None,
         precision="shared",
         num_samples=1,
         initial_log_precision=None,
@@ -127,13 +124,6 @@ class GlobalInducingDense(ELBOReportingLayer):
         self.units = _positive_int("units", units)
         self.activation = keras.activations.get(activation)
         self.num_inducing = _positive_int("num_inducing", num_inducing, allow_none=True)
-        if num_train is not None or prior is not None:
-            deprecation.warn(
-                "GlobalInducingDense's `prior` and `num_train` arguments",
-                "pass the prior with `num_train` in `regularizer=`, as on every keras-dvi layer: "
-                "`regularizer=keras_dvi.NealPrior(num_train=len(x_train))` (or StandardPrior).",
-            )
-            regularizer = self._legacy_prior(prior, num_train, regularizer)
         self.regularizer = None if regularizer is None else priors.get_weight_prior(regularizer)
         self.output_layer = bool(output_layer)
         if precision not in ("shared", "per_unit"):
@@ -171,23 +161,13 @@ class GlobalInducingDense(ELBOReportingLayer):
         `Sequential` model), or `None`."""
         return boundary.producer_of(inputs)
 
-    @staticmethod
-    def _legacy_prior(prior, num_train, regularizer):
-        """The `regularizer` meant by the former `prior=` / `num_train=` arguments."""
-        if regularizer is not None:
-            raise ValueError(
-                "GlobalInducingDense: pass the prior and `num_train` in `regularizer=` only, "
-                "not also in the deprecated `prior=` / `num_train=` arguments."
-            )
-        prior = priors.get_weight_prior("neal" if prior is None else prior)
-        return prior if num_train is None else prior.with_num_train(validation.num_train(num_train))
-
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        if "prior" in config or "num_train" in config:  # saved before `regularizer` (0.1.0.dev0)
-            config["regularizer"] = cls._legacy_prior(config.pop("prior", None), config.pop("num_train", None),
-                                                      config.get("regularizer"))
+        if "prior" in config or "num_train" in config:  # a file saved by 0.1.0.dev0, before `regularizer`
+            prior = priors.get_weight_prior(config.pop("prior", None) or "neal")
+            num_train = config.pop("num_train", None)
+            config["regularizer"] = prior if num_train is None else prior.with_num_train(num_train)
         return super().from_config(config)
 
     @property

@@ -9,7 +9,6 @@ import keras
 from keras import ops
 
 from keras_dvi import objective, priors, validation
-from keras_dvi.layers import boundary
 from keras_dvi.layers.boundary import KerasDVILayer
 
 #: Names of the schedule's variables (saved with the model, in this order after the layer's
@@ -37,7 +36,6 @@ class ELBOReportingLayer(KerasDVILayer):
         super().__init__(**kwargs)
         self.regularizer = None  # the layer's prior (`keras_dvi.priors.KLSettings`), set by subclasses
         self._tracker_ref = _TrackerRef()
-        self._warmup_override = None  # (warmup_steps, delay_steps) from `set_kl_warmup`
 
     @property
     def elbo_tracker(self):
@@ -54,22 +52,37 @@ class ELBOReportingLayer(KerasDVILayer):
         prior = self.regularizer
         return (1.0, 0) if prior is None else (prior.kl_weight, prior.kl_warmup_steps)
 
-    def set_kl_warmup(self, warmup_steps, delay_steps=0):
-        """Overrides the layer's warm-up: the KL is off for `delay_steps` training steps, then
-        ramps in over `warmup_steps` (what the deprecated `KLWarmup` callback sets; not saved).
-        Takes effect in the next traced training function."""
-        self._warmup_override = (
-            validation.non_negative_integer("warmup_steps", warmup_steps),
-            validation.non_negative_integer("delay_steps", delay_steps),
-        )
-
     def _build_kl_step(self, is_head):
         self.kl_step, self.kl_warmup_length = (
             self.add_weight(name=name, shape=(), initializer="zeros", trainable=False, autocast=False)
             for name in (KL_STEP, KL_WARMUP_LENGTH)
         )
+        self._set_head(is_head)
+
+    def _set_head(self, is_head):
+        """Gives the layer the network's tracker if it is the network's first keras-dvi layer
+        (its input is data), and takes it away if not."""
         if is_head and self._tracker_ref.tracker is None:
-            self._tracker_ref.tracker = objective.ELBOTracker()
+            tracker = objective.ELBOTracker()
+            tracker.head = objective.HeadRef(self)  # (a weak reference: not tracked by Keras)
+            self._tracker_ref.tracker = tracker
+        elif not is_head:
+            self._tracker_ref.tracker = None
+
+    def _reads_data(self, input_shape):
+        """Whether inputs of `input_shape` are data (this is then the network's first keras-dvi
+        layer), or `None` if the layer cannot tell."""
+        return None
+
+    def compute_output_spec(self, *args, **kwargs):
+        # A layer built on its own (`from_dense`, `from_conv`) learns its place in the network
+        # when the network is built: the first keras-dvi layer reads data.
+        inputs = args[0] if args else kwargs.get("inputs")
+        shapes = keras.tree.map_structure(lambda t: tuple(t.shape), inputs)
+        reads = self._reads_data(shapes) if self.built and hasattr(self, "kl_step") else None
+        if reads is not None:
+            self._set_head(reads)
+        return super().compute_output_spec(*args, **kwargs)
 
     def _training(self, training):
         """The training flag this call acts on (`keras_dvi.objective.resolve_training`)."""
@@ -81,8 +94,7 @@ class ELBOReportingLayer(KerasDVILayer):
 
     def _start_network(self, training=False, inputs=None):
         """Opens the step's hand-off if this is the network's first keras-dvi layer, whose data
-        `inputs` (2-D) also check `num_train` against the batch when training; in a step of
-        `fit` / `evaluate`, checks the model's compiled losses and metrics first."""
+        `inputs` (2-D) also check `num_train` against the batch when training."""
         if self._tracker_ref.tracker is None:
             return
         num_train = self._num_train()
@@ -90,44 +102,39 @@ class ELBOReportingLayer(KerasDVILayer):
         if training and rows is not None and num_train is not None and not getattr(self, "_checked_num_train", False):
             self._checked_num_train = True
             validation.num_train_against_batch(num_train, int(rows), f"{type(self).__name__} {self.name!r}")
-        boundary.check_compiled_model(self)
         objective.start_step(self._tracker_ref.tracker, training, self.name, inputs)
 
     def _warmup(self):
-        """`(warmup_steps, delay_steps)`: the prior's warm-up, an `"auto"` one as planned (a
-        tensor; 0 before the first training step), or the `set_kl_warmup` override."""
-        if self._warmup_override is not None:
-            return self._warmup_override
+        """The prior's warm-up length in training steps: an integer, or for an `"auto"` warm-up
+        the planned length (a tensor; taken as 1 before the first training step plans it)."""
         warmup = self._kl_schedule()[1]
         if warmup == "auto":
-            return ops.maximum(ops.convert_to_tensor(self.kl_warmup_length), 1.0), 0
-        return warmup, 0
+            return ops.maximum(ops.convert_to_tensor(self.kl_warmup_length), 1.0)
+        return warmup
 
     def kl_weight_value(self, training=False):
         """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;
         while training, times the warm-up factor of the current `kl_step`."""
         kl_weight = self._kl_schedule()[0]
-        warmup, delay = self._warmup()
-        if not training or (isinstance(warmup, int) and not (warmup or delay)):
+        warmup = self._warmup()
+        if not training or (isinstance(warmup, int) and not warmup):
             return kl_weight
-        return kl_weight * objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup, delay)
+        return kl_weight * objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup)
 
     def kl_warmup_done(self):
         """Whether the KL warm-up is over: the next training step's KL weight is `kl_weight`
         (`False` before an `"auto"` warm-up is planned at the first training step). Read
         eagerly, e.g. by `keras_dvi.AfterKLWarmup` at the end of an epoch."""
-        if self._warmup_override is None and self._kl_schedule()[1] == "auto":
-            if float(ops.convert_to_numpy(self.kl_warmup_length)) <= 0:
-                return False
-        warmup, delay = self._warmup()
-        ramp = objective.kl_ramp(ops.convert_to_tensor(self.kl_step), warmup, delay)
+        if self._kl_schedule()[1] == "auto" and float(ops.convert_to_numpy(self.kl_warmup_length)) <= 0:
+            return False
+        ramp = objective.kl_ramp(ops.convert_to_tensor(self.kl_step), self._warmup())
         return bool(float(ops.convert_to_numpy(ramp)) >= 1.0)
 
     def _plan_kl_warmup(self):
         """At a training step, fixes the length of an `"auto"` warm-up once (while
         `kl_warmup_length` is 0): three quarters of the steps the running `fit` plans, at most 3,000
         (`keras_dvi.priors.auto_kl_warmup_steps`); read when the step is traced."""
-        if self._warmup_override is not None or self._kl_schedule()[1] != "auto":
+        if self._kl_schedule()[1] != "auto":
             return
         model = objective.stepping_model()
         planned = priors.auto_kl_warmup_steps(None if model is None else objective.planned_training_steps(model))

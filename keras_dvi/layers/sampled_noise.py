@@ -34,6 +34,8 @@ class SampledHomoscedasticNoise(LearnedLogVariance):
     ...                           SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0)])
     """
 
+    outputs_moments = False  # weight samples
+
     def build(self, input_shape):
         if len(input_shape) != 3 or input_shape[-1] is None:
             raise ValueError(

@@ -11,7 +11,7 @@ from keras_dvi.layers.base import BayesianLayer, apply_activation
 class SkipDVI(BayesianLayer):
     """Residual block `a = a' + f(a') W + b` propagating mean and full covariance.
 
-    Wu et al. (ICLR 2019), Appendix C.1 (math.md section 4): the input `a'` is a Gaussian
+    Wu et al. (ICLR 2019), Appendix C.1: the input `a'` is a Gaussian
     pre-activation, `f(a')` is approximated as in `DenseDVI`, and the output covariance is
     `Cov(a') + Cov(delta) + C + C^T` with the cross-covariance
     `C_ik = sum_j Cov(a'_i, a'_j) E[f'(a'_j)] M_jk` (Stein's lemma), where

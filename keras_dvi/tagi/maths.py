@@ -2,7 +2,7 @@
 variances, the pure maths behind `keras_dvi.TAGIModel`.
 
 Goulet, Nguyen and Amiri, "Tractable approximate Gaussian inference for Bayesian neural
-networks", JMLR 2021 (`shared/papers/004_*.txt`). Every function is stateless and written with
+networks", JMLR 2021. Every function is stateless and written with
 `keras.ops`, vectorised over the batch; tests check them against the exact (Kalman) posterior
 of a linear-Gaussian model and against a direct NumPy evaluation of the paper's equations
 (`tests/test_tagi.py`).
@@ -74,8 +74,10 @@ def dense_forward(mean, variance, kernel_mean, kernel_variance, bias_mean=None, 
     Args:
         mean: `(batch, in)` means of `a` (data: the inputs).
         variance: `(batch, in)` variances of `a`, or `None` (deterministic inputs).
-        kernel_mean, kernel_variance: `(in, out)`.
-        bias_mean, bias_variance: `(out,)` or `None`.
+        kernel_mean: `(in, out)` weight means.
+        kernel_variance: `(in, out)` weight variances.
+        bias_mean: `(out,)` bias means or `None`.
+        bias_variance: `(out,)` bias variances or `None`.
         linear: the map `(a, W) -> a W` (`Conv.apply` for a convolution: every position is a
             dense layer on its patch, and the moments are the same sums).
 
@@ -219,9 +221,12 @@ def update(params, caches, steps, dm_out, ds_out, max_step=None):
     deltas go down with the prior's means, then each layer is updated once.
 
     Args:
-        params, steps, caches: as for / from `forward`.
-        dm_out, ds_out: the deltas of the last layer's outputs (after its activation:
+        params: as for `forward`.
+        caches: from `forward`.
+        steps: as for `forward`.
+        dm_out: the mean deltas of the last layer's outputs (after its activation:
             `observation_deltas`).
+        ds_out: their variance deltas.
         max_step: `None` or the cap on the means' moves (see `parameter_update`).
 
     Returns:
@@ -280,7 +285,8 @@ def class_probabilities(mz, sz, paths, alpha=TREE_ALPHA):
     `Phi(+-mz / sqrt(alpha^2 + sz))`, normalised over the classes.
 
     Args:
-        mz, sz: `(batch, units)` output means and variances.
+        mz: `(batch, units)` output means.
+        sz: `(batch, units)` output variances.
         paths: `(classes, units)` from `tree`.
 
     Returns:

@@ -61,12 +61,13 @@ class TAGIModel(keras.Model):
             posteriors (a `.keras` file loads that way).
         seed: integer seed of the initial means.
         max_step: `"auto"` (default), `None` or a positive number: a weight's mean moves by at
-            most `max_step` prior standard deviations per batch (`keras_dvi.tagi.parameter_update`;
+            most `max_step` prior standard deviations per batch (`keras_dvi.tagi.maths.parameter_update`;
             the authors' cuTAGI caps its updates the same way). `"auto"`: no cap for dense
             networks (the paper's updates), 1 for networks with conv layers, whose shared
             kernels sum one term per position and example from one prior and otherwise
-            overshoot (measured on the digits: without the cap a 16-filter CNN stayed at chance
-            in one run of three, with it every run trained; BENCHMARKS.md).
+            overshoot (the ablation is in BENCHMARKS.md). Pass 1 for small data sets, narrow
+            dense networks or a small `observation_noise`, where uncapped updates can collapse
+            a network to chance.
         **kwargs: base `keras.Model` arguments (`name`).
 
     Outputs:
@@ -83,8 +84,7 @@ class TAGIModel(keras.Model):
     plus `observation_noise^2`; for regression `nll` is that already). The paper stops
     training where the validation set's marginal likelihood is highest (section 3.4):
     `keras.callbacks.EarlyStopping(monitor="val_observation_nll", mode="min",
-    restore_best_weights=True)`. On MNIST it reproduced the paper's Table 2, where the noisier
-    validation error stopped 784-100-100 too soon (BENCHMARKS.md).
+    restore_best_weights=True)`.
 
     Example:
 

@@ -1,0 +1,166 @@
+"""`keras_dvi.convert`: a plain Keras model's keras-dvi counterpart. With the posterior variances
+shrunk to zero it computes the plain model's function (its logits), for every supported layer,
+in Sequential and functional models, channels last and first; it trains, saves and loads; and
+what it cannot convert is refused by name."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dvi as kd
+from tests.conftest import to_numpy
+
+TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
+
+
+def _images(rows=6, size=10, channels=1, seed=0):
+    return np.random.default_rng(seed).uniform(size=(rows, size, size, channels)).astype("float32")
+
+
+def _randomise_batch_norm(model, seed=0):
+    """Inference statistics and scales far from their initial values, so folding them matters."""
+    rng = np.random.default_rng(seed)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            n = int(layer.gamma.shape[0])
+            layer.gamma.assign(rng.uniform(0.5, 2.0, n))
+            layer.beta.assign(rng.normal(size=n))
+            layer.moving_mean.assign(rng.normal(size=n))
+            layer.moving_variance.assign(rng.uniform(0.5, 2.0, n))
+
+
+def _residual_cnn(data_format="channels_last"):
+    shape = (10, 10, 1) if data_format == "channels_last" else (1, 10, 10)
+    f = {"data_format": data_format}
+    axis = -1 if data_format == "channels_last" else 1
+    inputs = keras.Input(shape)
+    h = keras.layers.Rescaling(2.0)(inputs)
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", **f)(h)
+    h = keras.layers.MaxPooling2D(2, **f)(h)
+    branch = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, **f)(h)
+    branch = keras.layers.BatchNormalization(axis=axis)(branch)
+    branch = keras.layers.ReLU()(branch)
+    h = keras.layers.Add()([h, branch])
+    h = keras.layers.AveragePooling2D(1, **f)(h)
+    h = keras.layers.Flatten(**f)(h)
+    h = keras.layers.Dropout(0.3)(h)
+    h = keras.layers.Dense(8, activation="relu")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def _logits(model, x):
+    """A plain model's output before its final softmax (its logits)."""
+    inner = keras.Model(model.inputs, model.layers[-1].input if not isinstance(model.layers[-1], keras.layers.Softmax)
+                        else model.layers[-2].output)
+    last = model.layers[-1]
+    h = inner(x, training=False)
+    if isinstance(last, keras.layers.Dense):
+        return to_numpy(keras.ops.matmul(h, last.kernel) + last.bias)
+    return to_numpy(h)
+
+
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_functional_cnn_computes_the_plain_function(data_format):
+    """Conv, max pooling (the ReLU moved onto it), a residual block with batch normalisation
+    folded into a bias-free convolution and a ReLU layer folded after it, average pooling,
+    flatten, dropout (removed), dense layers and the output softmax (removed: logits); the
+    preprocessing `Rescaling` stays plain."""
+    plain = _residual_cnn(data_format)
+    _randomise_batch_norm(plain)
+    x = _images()
+    if data_format == "channels_first":
+        x = np.moveaxis(x, -1, 1)
+    converted = kd.convert(plain, **TINY)
+    kinds = [type(layer).__name__ for layer in converted.layers]
+    assert kinds == ["InputLayer", "Rescaling", "Conv2DDVI", "MaxPooling2DDVI", "Conv2DDVI", "AddDVI",
+                     "AveragePooling2DDVI", "FlattenDVI", "DenseDiagDVI", "DenseDVI"], kinds
+    conv, pool = converted.layers[2], converted.layers[3]
+    assert (conv.activation, pool.activation) == ("linear", "relu") and conv.data_format == data_format
+    assert converted.layers[4].activation == "relu" and converted.layers[4].use_bias  # ReLU and the folded shift
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(mean), _logits(plain, x), rtol=1e-4, atol=1e-4)
+
+
+def test_sequential_networks_every_other_layer():
+    """A dense classifier with a `Softmax` layer, `leaky_relu` and `LeakyReLU(0.2)`; a 1D CNN with
+    global average pooling and average pooling; `hidden_covariance="full"`; the prior given to
+    every layer."""
+    x = np.random.default_rng(1).normal(size=(7, 12)).astype("float32")
+    dense = keras.Sequential([keras.Input((12,)), keras.layers.Dense(6, activation="leaky_relu"),
+                              keras.layers.Dense(5), keras.layers.LeakyReLU(0.2), keras.layers.Dense(3),
+                              keras.layers.Softmax()])
+    prior = kd.EmpiricalBayesRegularizer(100)
+    converted = kd.convert(dense, regularizer=prior, hidden_covariance="full", **TINY)
+    assert [type(layer).__name__ for layer in converted.layers] == ["DenseDVI"] * 3
+    assert [layer.activation for layer in converted.layers] == ["leaky_relu", "leaky_relu", "linear"]
+    assert all(layer.regularizer is prior for layer in converted.layers)
+    logits = keras.Sequential(dense.layers[:-1])(x)
+    np.testing.assert_allclose(to_numpy(kd.unpack(converted(x))[0]), to_numpy(logits), rtol=1e-4, atol=1e-5)
+    signals = np.random.default_rng(2).normal(size=(5, 16, 2)).astype("float32")
+    cnn = keras.Sequential([keras.Input((16, 2)), keras.layers.Conv1D(4, 3, activation="relu"),
+                            keras.layers.AveragePooling1D(2), keras.layers.Conv1D(3, 2, dilation_rate=2),
+                            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    converted = kd.convert(cnn, **TINY)
+    assert [type(layer).__name__ for layer in converted.layers] == [
+        "Conv1DDVI", "AveragePooling1DDVI", "Conv1DDVI", "GlobalAveragePooling1DDVI", "DenseDVI"]
+    np.testing.assert_allclose(to_numpy(kd.unpack(converted(signals))[0]), to_numpy(cnn(signals)), rtol=1e-4, atol=1e-5)
+
+
+def test_a_converted_model_trains_saves_and_loads(tmp_path):
+    """Train plain, convert, fine-tune with the ELBO; the `.keras` file predicts the same; a
+    `Normalization` layer keeps its adapted statistics."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(loc=5.0, scale=3.0, size=(64, 4)).astype("float32")
+    labels = (x[:, 0] > 5.0).astype("int32")
+    normalization = keras.layers.Normalization()
+    normalization.adapt(x)
+    plain = keras.Sequential([keras.Input((4,)), normalization, keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    plain.compile(keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    plain.fit(x, labels, epochs=20, verbose=0)
+    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(len(x)))
+    np.testing.assert_allclose(to_numpy(converted.layers[0].mean), to_numpy(normalization.mean))
+    converted.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (layers built on their own once each kept a tracker)
+        history = converted.fit(x, labels, epochs=3, verbose=0).history
+    assert np.isfinite(history["loss"]).all() and "kl" in history
+    assert (kd.predict(converted, x)["label"] == labels).mean() > 0.9
+    path = str(tmp_path / "converted.keras")
+    converted.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
+
+
+def test_what_cannot_be_converted_is_refused_by_name():
+    def refused(layers, match):
+        model = keras.Sequential([keras.Input((8,))] + layers)
+        with pytest.raises(ValueError, match=match):
+            kd.convert(model)
+
+    refused([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)], "'dense.*' has activation 'tanh'")
+    refused([keras.layers.Dense(4, activation="relu"), keras.layers.BatchNormalization(name="norm"),
+             keras.layers.Dense(2)], "BatchNormalization 'norm' can be folded only into a linear")
+    refused([keras.layers.Dense(4), keras.layers.Activation("tanh", name="act"), keras.layers.Dense(2)],
+            "activation layer 'act'")
+    refused([keras.layers.Dense(4), keras.layers.Dense(3, activation="softmax"), keras.layers.Dense(2)],
+            "applies a softmax inside the network")
+    refused([keras.layers.Dense(4), keras.layers.Reshape((2, 2)), keras.layers.LSTM(2, name="lstm")],
+            "'reshape.*' \\(Reshape\\) has no keras-dvi counterpart")
+    already = keras.Sequential([keras.Input((8,)), kd.DenseDVI(2)])
+    with pytest.raises(ValueError, match="already has keras-dvi layers"):
+        kd.convert(already)
+    nested = keras.Sequential([keras.Input((8,)), keras.Sequential([keras.layers.Dense(2)])])
+    with pytest.raises(ValueError, match="nested model"):
+        kd.convert(nested)
+
+    class Subclassed(keras.Model):
+        def call(self, inputs):
+            return inputs
+
+    with pytest.raises(ValueError, match="built Sequential or functional"):
+        kd.convert(Subclassed())
+    with pytest.raises(ValueError, match="hidden_covariance"):
+        kd.convert(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]), hidden_covariance="block")
