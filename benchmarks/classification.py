@@ -165,6 +165,8 @@ def make_prior(num_train, fan_in, args):
     settings = {}
     if args.kl_weight is not None:
         settings["kl_weight"] = args.kl_weight
+    if getattr(args, "kl_weight_rule", None) == "data":  # the library's rule, min(1, N / P)
+        settings["kl_weight"] = "auto"
     if args.kl_warmup_steps is not None:
         settings["kl_warmup_steps"] = args.kl_warmup_steps
     kind, _, value = (getattr(args, "prior", None) or "eb").partition(":")
@@ -172,6 +174,8 @@ def make_prior(num_train, fan_in, args):
         return kd.GaussianPriorRegularizer(num_train, variance=float(value), **settings)
     if kind == "fanin":
         return kd.GaussianPriorRegularizer(num_train, variance=float(value) / fan_in, **settings)
+    if kind == "scale":
+        return kd.ScalePriorRegularizer(num_train, **settings)
     if getattr(args, "prior_beta", None) is not None:
         settings["beta"] = args.prior_beta
     if kind == "ebfloor":
@@ -219,7 +223,6 @@ def keras_dvi_network(method, num_train, classes, args, features=64):
         layers.append(head(classes, regularizer=prior(len(hidden)), **variance(len(hidden))))
         loss = kd.SoftmaxDeltaELL() if args.loss_method is None else kd.SoftmaxDeltaELL(method=args.loss_method)
     model = keras.Sequential(layers)
-    _apply_kl_weight_rule(model, num_train, args)
     model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=loss)
     return model
 
@@ -230,16 +233,6 @@ def weight_count(model):
 
     return sum(int(np.prod(v.shape)) for layer in model.layers if isinstance(layer, kd.layers.BayesianLayer)
                for v in (layer.kernel_mean, layer.bias_mean) if v is not None)
-
-
-def _apply_kl_weight_rule(model, num_train, args):
-    """`--kl-weight-rule data`: every prior's KL weight `min(1, N / P)`."""
-    if getattr(args, "kl_weight_rule", None) != "data":
-        return
-    weight = min(1.0, num_train / weight_count(model))
-    for layer in model.layers:
-        if getattr(layer, "regularizer", None) is not None:
-            layer.regularizer.kl_weight = weight
 
 
 def _cnn(method, classes, features, prior=None, args=None):
@@ -358,7 +351,8 @@ def run_one(method, split, args):
     x, y, x_eval, y_eval = load_split(split, args.validation, args.dataset)
     predict, seconds = train(method, x, y, int(y.max()) + 1, 1000 * split, args)
     record = {"method": method, "split": split, "validation": args.validation, "dataset": args.dataset,
-              "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / _epochs(args)}
+              "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / _epochs(args),
+              "seconds": seconds}
     if hasattr(predict, "model"):  # keras-dvi: what training reached, with the full KL weight
         model = predict.model
         logs = model.evaluate(x, y, verbose=0, return_dict=True)
@@ -487,9 +481,9 @@ def make_parser():
     parser.add_argument("--prob-method", default=None, help="class_probabilities method (default: its default)")
     parser.add_argument("--prior", default=None,
                         help="keras-dvi methods: eb (default), gauss:V (N(0, V)), fanin:C (N(0, C / fan_in)), "
-                             "ebfloor:C (empirical Bayes, variance at least C / fan_in)")
+                             "ebfloor:C (empirical Bayes, variance at least C / fan_in), scale (ScalePriorRegularizer)")
     parser.add_argument("--kl-weight-rule", choices=["data"], default=None,
-                        help="keras-dvi methods: data = KL weight min(1, N / P), N rows, P weights")
+                        help="keras-dvi methods: data = kl_weight='auto', the KL weight min(1, N / P), N rows, P weights")
     parser.add_argument("--init", choices=["plain"], default=None,
                         help="keras-dvi methods: posterior means from a plain network trained --init-epochs first")
     parser.add_argument("--init-epochs", type=int, default=20)

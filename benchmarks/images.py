@@ -17,7 +17,9 @@ Protocol (fixed before any test score was seen):
   `Conv2DFlipout` / `DenseFlipout`, `kl_weight = 1 / N`, 20 samples; the `benchmarks` extra),
   `dvi` (keras-dvi with the library's defaults: `EmpiricalBayesRegularizer(N)`,
   `SoftmaxDeltaELL()`, the auto KL warm-up; `keras_dvi.predict`), `dvi_tempered` (the README's
-  named classifier recipe: `kl_weight=0.03`, `SoftmaxDeltaELL(method="jankowiak")`), `mcvi`
+  named classifier recipe: `kl_weight=0.03`, `SoftmaxDeltaELL(method="jankowiak")`), `dvi_auto`
+  (the KL weight rule `kl_weight="auto"`, `min(1, N / P)`, with Jankowiak's bound;
+  `dvi_auto_delta` with the delta method; added with the classifier-defaults ablation), `mcvi`
   (`Conv2DMCVI` / `DenseMCVI`, 2 kernel draws per step, 20 at test time), and the dense rows
   `dense100` / `dense800` (784-100-100-10 and 784-800-800-10 keras-dvi networks with the
   defaults, against the TAGI paper's Table 2; `dense100_tempered` / `dense800_tempered` with the
@@ -26,6 +28,8 @@ Protocol (fixed before any test score was seen):
   (5 `dvi` networks, seeds as the plain ensemble's, their `keras_dvi.predict` probabilities
   averaged: added later, as a remedy for the defaults' confidence on uniform noise after 20
   epochs).
+* `--validation` (for choosing recipes): train on the first 50,000 training rows and score
+  the last 10,000 in place of the test set.
 * evaluation sets: the clean test set; rotations from 0 to 180 degrees in 15-degree steps
   (`scipy.ndimage.rotate(reshape=False)`, clipped to [0, 1]); Gaussian pixel noise of sd 0.1,
   0.2 and 0.4 (clipped); out of distribution: uniform-noise images against the clean test
@@ -54,7 +58,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from classification import auroc, scores  # noqa: E402 - the same metrics as the digits benchmark
 
-METHODS = ("plain", "dropout", "ensemble", "flipout", "dvi", "dvi_tempered", "dvi_ensemble", "mcvi", "dense100",
+METHODS = ("plain", "dropout", "ensemble", "flipout", "dvi", "dvi_tempered", "dvi_auto", "dvi_auto_delta", "dvi_ensemble", "mcvi", "dense100",
            "dense800", "dense100_tempered", "dense800_tempered", "dense100_plain", "dense800_plain")
 ROTATIONS = tuple(range(0, 181, 15))
 NOISE_SDS = (0.1, 0.2, 0.4)
@@ -64,6 +68,7 @@ ENSEMBLE_SIZE = 5
 DROPOUT_RATE = 0.1
 TEST_SAMPLES = 20  # weight or dropout samples per test input (18 evaluation sets of 10,000)
 MCVI_SAMPLES = 2
+VALIDATION_ROWS = 10_000  # `--validation`: the training rows held out and scored
 
 
 def load_mnist(path=None):
@@ -159,7 +164,10 @@ def keras_dvi_cnn(method, classes, num_train):
     import keras_dvi as kd
 
     tempered = method.endswith("_tempered")
-    prior = kd.EmpiricalBayesRegularizer(num_train, **({"kl_weight": 0.03} if tempered else {}))
+    auto = "_auto" in method  # the KL weight rule min(1, N / P) (with Jankowiak's bound unless _delta)
+    settings = {"kl_weight": 0.03} if tempered else {"kl_weight": "auto"} if auto else {}
+    prior = kd.EmpiricalBayesRegularizer(num_train, **settings)
+    tempered = tempered or (auto and not method.endswith("_delta"))  # (trained with Jankowiak's bound)
     if method == "mcvi":
         layers = [
             keras.Input((28, 28, 1)),
@@ -267,6 +275,8 @@ def run_one(method, seed, args):
     import keras
 
     x, y, x_test, y_test = load_mnist(args.data)
+    if args.validation:  # the last 10,000 training rows are scored; the test set is not read
+        x, y, x_test, y_test = x[:-VALIDATION_ROWS], y[:-VALIDATION_ROWS], x[-VALIDATION_ROWS:], y[-VALIDATION_ROWS:]
     if args.train_rows:
         rows = np.random.default_rng(seed).permutation(len(x))[: args.train_rows]
         x, y = x[rows], y[rows]
@@ -274,6 +284,7 @@ def run_one(method, seed, args):
         x_test, y_test = x_test[: args.test_rows], y_test[: args.test_rows]
     predict, seconds = train(method, x, y, 10, 1000 * seed, args.epochs)
     record = {"method": method, "seed": seed, "epochs": args.epochs, "train_rows": len(x),
+              "validation": bool(args.validation),
               "seconds_per_epoch": seconds / args.epochs}
     if hasattr(predict, "model"):
         model = predict.model
@@ -370,6 +381,8 @@ def make_parser():
     parser.add_argument("--train-rows", type=int, default=0, help="subsample the training rows (quick checks)")
     parser.add_argument("--test-rows", type=int, default=0, help="first rows of the test set only (quick checks)")
     parser.add_argument("--no-ood-digits", dest="ood_digits", action="store_false")
+    parser.add_argument("--validation", action="store_true",
+                        help="train on the first 50,000 training rows, score the last 10,000 (no test row is read)")
     parser.add_argument("--results", default="benchmarks/results/images")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--summary-only", action="store_true")

@@ -11,7 +11,9 @@ networks without gradients. The public API, by topic:
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
   `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
-  `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`; the callback wrapper `AfterKLWarmup`;
+  `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
+  `ScalePriorRegularizer` (`kl_weight="auto"`: the rule `min(1, N / P)`);
+  `objective.describe(model)` (what `fit` minimises); the callback wrapper `AfterKLWarmup`;
   module `metrics` (Keras metrics for `compile`);
 * predictions: `predict(model, x)` (NumPy summaries), `predict_samples(model, x, num_samples)`,
   `unpack(outputs)`; module `predictive` (predictive distributions and scores);
@@ -64,6 +66,7 @@ _EXPORTS = {
     "SoftmaxDeltaELL": "keras_dvi.losses",
     "EmpiricalBayesRegularizer": "keras_dvi.priors",
     "GaussianPriorRegularizer": "keras_dvi.priors",
+    "ScalePriorRegularizer": "keras_dvi.priors",
     "AfterKLWarmup": "keras_dvi.callbacks",
     "unpack": "keras_dvi.packing",
     "predict": "keras_dvi.predictive",

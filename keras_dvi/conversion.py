@@ -183,8 +183,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     posterior whose means are the layer's weights (`DenseDiagDVI.from_dense`,
     `Conv2DDVI.from_conv`), and the layers between them follow: the conversion bayesian-torch's
     `dnn_to_bnn` and MOPED offer, for Keras. Train a plain network, convert it, and fine-tune
-    the Bayesian network with a keras-dvi loss (the full ELBO, or the tempered recipe for small
-    classification data sets), or use it as it is to start a posterior from a good point.
+    the Bayesian network with a keras-dvi loss: a classifier under the KL weight rule
+    (`kl_weight="auto"` with `SoftmaxDeltaELL(method="jankowiak")`; under the full ELBO a
+    small data set walks it back to the prior), a regression network under the full ELBO.
 
     | plain layer | keras-dvi layer |
     |---|---|
@@ -218,9 +219,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     Example:
 
     >>> plain.fit(x_train, y_train, epochs=20)
-    >>> bayesian = keras_dvi.convert(plain, regularizer=keras_dvi.EmpiricalBayesRegularizer(len(x_train)))
-    >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL())
-    >>> bayesian.fit(x_train, y_train, epochs=5)
+    >>> rule = keras_dvi.EmpiricalBayesRegularizer(len(x_train), kl_weight="auto")
+    >>> bayesian = keras_dvi.convert(plain, regularizer=rule)
+    >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL(method="jankowiak"))
+    >>> bayesian.fit(x_train, y_train, epochs=20)
     """
     if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential) and not model.built:
         raise ValueError("Argument `model` of keras_dvi.convert must be a built Keras model (Sequential or functional).")

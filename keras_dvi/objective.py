@@ -7,7 +7,8 @@ What `fit` minimises for a keras-dvi network is
 with `nll` the batch mean of the negative expected log-likelihood (the keras-dvi loss), `N`
 the number of training examples given to the prior, and `w_t` the KL weight of training step
 `t`: a linear warm-up from 0 to `kl_weight` over the prior's `kl_warmup_steps`, then
-`kl_weight` (1 is the ELBO; below 1 tempers the posterior, a departure from the ELBO). Outside
+`kl_weight` (1 is the ELBO; below 1 tempers the posterior, a departure from the ELBO;
+`"auto"`: `min(1, N / P)` for the `P` weights of the network, `prior_weight_count`). Outside
 training (`evaluate`, `val_loss`, `model(x)`) the weight is always `kl_weight`, so that
 `val_loss` is the same objective at every epoch and `EarlyStopping` / `ModelCheckpoint` on
 their default monitor are not fooled by the warm-up.
@@ -139,6 +140,82 @@ def planned_training_steps(model):
         return None
     initial = arguments.get("initial_epoch") or 0
     return max(0, epochs - int(initial)) * steps
+
+
+def prior_weight_count(layer):
+    """`P`: the number of weights under closed-form keras-dvi priors (kernels and biases) in
+    `layer`, a model or a single layer, its sub-layers included (the `P` of
+    `kl_weight="auto"`, `keras_dvi.priors.auto_kl_weight`). Counts built layers only."""
+    from keras_dvi import priors
+
+    total, stack, seen = 0, [layer], set()
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(getattr(current, "regularizer", None), priors.PriorRegularizer) and current.built:
+            total += sum(int(math.prod(v.shape)) for v in (current.kernel_mean, current.bias_mean) if v is not None)
+        stack.extend(getattr(current, "layers", None) or [])
+    return total
+
+
+def network_of(layer):
+    """The model a layer runs in: the model of the running `fit` / `evaluate` step, else the
+    outermost model whose `call` is running, else the layer itself."""
+    model = stepping_model()
+    if model is None:
+        models = calling_models()
+        model = models[0] if models else None
+    return layer if model is None else model
+
+
+def describe(model):
+    """What `fit` minimises for `model` after the KL warm-up, in one sentence per prior: the
+    KL weight (with `kl_weight="auto"` resolved to `min(1, N / P)`), `N`, whether that is the
+    ELBO or a tempered posterior, and the warm-up.
+
+    Example:
+
+    >>> print(keras_dvi.objective.describe(model))  # doctest: +SKIP
+    After the KL warm-up (three quarters of the steps fit plans, at most 3000), fit minimises
+    nll + 0.0571 * KL / 1005: a tempered posterior (EmpiricalBayesRegularizer, kl_weight='auto':
+    min(1, N / P) with N = 1005 training examples and P = 17610 weights under keras-dvi priors).
+    """
+    from keras_dvi import priors
+
+    found, seen, stack = {}, set(), [model]
+    while stack:
+        current = stack.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        prior = getattr(current, "regularizer", None)
+        if isinstance(prior, priors.KLSettings):
+            # (one entry per distinct prior: a loaded model gives each layer its own copy)
+            found.setdefault((type(prior).__name__, repr(sorted(prior.get_config().items()))), prior)
+        stack.extend(getattr(current, "layers", None) or [])
+    if not found:
+        return "fit minimises nll: no keras-dvi layer has a prior, so there is no KL term."
+    count = prior_weight_count(model)
+    sentences = []
+    for prior in found.values():
+        if prior.kl_weight == priors.AUTO_KL_WEIGHT:
+            weight = priors.auto_kl_weight(prior.num_train, count)
+            rule = (f", kl_weight='auto': min(1, N / P) with N = {prior.num_train} training examples and "
+                    f"P = {count} weights under keras-dvi priors")
+        else:
+            weight, rule = prior.kl_weight, f", kl_weight={prior.kl_weight:g}"
+        kind = "the ELBO" if weight == 1.0 else "a tempered posterior"
+        warmup = prior.kl_warmup_steps
+        warmup = ("three quarters of the steps fit plans, at most 3000" if warmup == "auto"
+                  else f"{warmup} steps" if warmup else "none")
+        num_train = prior.num_train if prior.num_train is not None else "N"
+        sentences.append(f"After the KL warm-up ({warmup}), fit minimises nll + {weight:.3g} * KL / "
+                         f"{num_train}: {kind} ({type(prior).__name__}{rule}).")
+    if len(sentences) > 1:
+        sentences = [f"Layers under prior {i + 1}: {text}" for i, text in enumerate(sentences)]
+    return " ".join(sentences)
 
 
 class StepRecord:
@@ -286,11 +363,11 @@ class ELBOTracker(keras.metrics.Metric):
             "predicts about the same class probabilities for every input. Cause: the full ELBO's "
             "KL term outweighs what the data can pay for, which happens with many weights per "
             "training example (small data sets, wide networks, short runs): the mean-field "
-            "posterior is pulled back to the prior. Fixes: a tempered posterior stated by name "
-            "(`EmpiricalBayesRegularizer(num_train, kl_weight=0.03)` with "
-            "`SoftmaxDeltaELL(method='jankowiak')`), a Bayesian last layer over plain Keras layers, "
-            "or more data; `kl_warmup_steps=0` makes this worse (the documentation's "
-            "classification guide).",
+            "posterior is pulled back to the prior. Fixes: a tempered posterior by a stated rule "
+            "(`EmpiricalBayesRegularizer(num_train, kl_weight='auto')`: KL weight min(1, N / P) "
+            "for N examples and P weights, with `SoftmaxDeltaELL(method='jankowiak')`), a Bayesian "
+            "last layer over plain Keras layers, or more data; `kl_warmup_steps=0` makes this "
+            "worse (the documentation's classification guide).",
             UserWarning,
             stacklevel=2,
         )

@@ -13,7 +13,8 @@ beta)`, and `s_lambda` is set to its optimum given the posterior,
 `s* = (sum_i (v_i + mu_i^2) + 2 beta) / (Omega + 2 alpha + 2)`, recomputed at every step with
 gradients flowing through it. As in the original code, the hyperprior's log density is not
 added to the objective. `GaussianPriorRegularizer` is a fixed `N(0, variance)` prior (the
-paper's "DVI-fixed" ablation).
+paper's "DVI-fixed" ablation). `ScalePriorRegularizer` is the `ScalePrior` of Ober & Aitchison
+(ICML 2021): a Gamma prior on each weight set's precision scale, with its KL counted.
 """
 
 import math
@@ -50,6 +51,35 @@ def auto_kl_warmup_steps(planned_steps):
     return max(1, min(AUTO_KL_WARMUP_MAX_STEPS, math.ceil(AUTO_KL_WARMUP_FRACTION * planned_steps)))
 
 
+#: `kl_weight="auto"`: the KL weight `min(1, N / P)` (see `auto_kl_weight`).
+AUTO_KL_WEIGHT = "auto"
+
+
+def auto_kl_weight(num_train, num_weights):
+    """The KL weight of `kl_weight="auto"`: `min(1, N / P)` for `N` training examples and a
+    network of `P` weights under keras-dvi priors (kernels and biases; the posterior's means).
+
+    While the network has at least as many training examples as weights it is the ELBO
+    (weight 1). With more weights than examples the full ELBO's KL, which grows with `P`,
+    outweighs a likelihood that grows with `N` (at most `N log C` nats for `C` classes), and a
+    mean-field classifier is pulled back to its prior (BENCHMARKS.md); the rule weighs the KL
+    as if there were one training example per weight: a tempered posterior, stated."""
+    return min(1.0, float(num_train) / max(1, int(num_weights)))
+
+
+def _kl_weight(value, allow_auto):
+    if isinstance(value, str) and value == AUTO_KL_WEIGHT and allow_auto:
+        return value
+    if isinstance(value, str):
+        raise ValueError(
+            "Argument `kl_weight` must be a positive number"
+            + (" or 'auto' (min(1, num_train / number of weights))" if allow_auto else
+               " (the 'auto' rule applies to the closed-form priors of DVI and MCVI layers only)")
+            + f"; received kl_weight={value!r}."
+        )
+    return validation.positive_number("kl_weight", value)
+
+
 def _kl_warmup_steps(value):
     if isinstance(value, str) and value == "auto":
         return value
@@ -72,7 +102,9 @@ class KLSettings:
         kl_weight: weight of the KL term after the warm-up. 1 (the default) is the ELBO;
             a value below 1 tempers the posterior (a "cold" posterior, closer to maximum
             likelihood): a departure from Bayesian inference, sometimes better calibrated on
-            small data sets (BENCHMARKS.md).
+            small data sets (BENCHMARKS.md). `"auto"` (closed-form priors only): the rule
+            `min(1, N / P)` of `auto_kl_weight`, with `P` the number of weights under
+            keras-dvi priors in the network being trained or called.
         kl_warmup_steps: training steps (optimizer updates) over which the KL weight rises
             linearly from 0 to `kl_weight`, or `"auto"` (the default): three quarters of the
             training steps that the first `fit` of the network plans (`epochs *
@@ -87,9 +119,12 @@ class KLSettings:
             `kl_step` variable, on every backend; evaluation always uses `kl_weight`.
     """
 
+    #: Whether `kl_weight="auto"` is accepted (the closed-form priors of DVI and MCVI layers).
+    accepts_auto_kl_weight = False
+
     def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         self.num_train = None if num_train is None else validation.num_train(num_train)
-        self.kl_weight = validation.positive_number("kl_weight", kl_weight)
+        self.kl_weight = _kl_weight(kl_weight, self.accepts_auto_kl_weight)
         self.kl_warmup_steps = _kl_warmup_steps(kl_warmup_steps)
 
     def get_config(self):
@@ -107,7 +142,9 @@ class KLSettings:
 class PriorRegularizer(KLSettings):
     """Base class: a prior whose KL to a factorised Gaussian posterior has a closed form
     (`KLSettings` holds `num_train`, `kl_weight` and `kl_warmup_steps`; `num_train` is
-    required)."""
+    required; `kl_weight` may be `"auto"`)."""
+
+    accepts_auto_kl_weight = True
 
     def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         super().__init__(validation.num_train(num_train), kl_weight, kl_warmup_steps)
@@ -193,6 +230,61 @@ class GaussianPriorRegularizer(PriorRegularizer):
     def get_config(self):
         config = super().get_config()
         config["variance"] = self.variance
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class ScalePriorRegularizer(PriorRegularizer):
+    """The `ScalePrior` of Ober & Aitchison (2021, eqs. 16-18) for closed-form layers: a learned
+    prior scale per weight set whose own prior is counted in the KL.
+
+    Each weight set `lambda` (a layer's kernel, its bias) with `Omega` weights has prior
+    `w_i ~ N(0, 1 / (s fan_in))` given a precision scale `s ~ Gamma(shape, rate)` (paper:
+    `Gamma(2, 2)`), and a variational posterior `q(s) = Gamma(shape + alpha, rate + beta)`.
+    Here `q(s)` is always at its optimum given the weights' posterior (the prior is
+    conjugate): `alpha = Omega / 2`, `beta = fan_in sum_i (v_i + mu_i^2) / 2`. The KL counted
+    is then `E_q(s)[KL(q(w) || p(w | s))] + KL(q(s) || p(s))`, in closed form:
+
+    `KL = sum_i (-log(fan_in v_i) - 1) / 2 + a log b - shape log rate - lgamma(a) + lgamma(shape)`
+
+    with `a = shape + Omega / 2`, `b = rate + beta`. Unlike `EmpiricalBayesRegularizer`,
+    whose hyperprior's density is left out, every term of this objective is a bound on the
+    evidence; like it, the scale shrinks with the weights when the data do not hold them.
+
+    Args:
+        num_train: number of training examples `N` (positive integer).
+        shape: shape of the Gamma prior on the precision scale `s` (paper: 2).
+        rate: rate of the Gamma prior on `s` (paper: 2); `s` has prior mean `shape / rate`.
+        kl_weight: weight of the KL after the warm-up (see `PriorRegularizer`).
+        kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
+
+    Example:
+
+    >>> prior = ScalePriorRegularizer(num_train=len(x_train))
+    >>> layer = DenseDiagDVI(100, "relu", regularizer=prior)
+    """
+
+    def __init__(self, num_train, shape=2.0, rate=2.0, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+        super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
+        self.shape = validation.positive_number("shape", shape)
+        self.rate = validation.positive_number("rate", rate)
+
+    def scale_posterior(self, mean, variance, fan_in):
+        """`(a, b)`: shape and rate of the optimal `q(s)`, `Gamma(shape + Omega / 2, rate +
+        fan_in sum(v + mu^2) / 2)`."""
+        count = float(_size(mean))
+        second = ops.sum(variance + ops.square(mean))
+        return self.shape + 0.5 * count, self.rate + 0.5 * float(fan_in) * second
+
+    def kl(self, mean, variance, fan_in):
+        a, b = self.scale_posterior(mean, variance, fan_in)
+        weights = 0.5 * ops.sum(-ops.log(float(fan_in) * variance) - 1.0)
+        return (weights + a * ops.log(b) - self.shape * math.log(self.rate)
+                - math.lgamma(a) + math.lgamma(self.shape))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"shape": self.shape, "rate": self.rate})
         return config
 
 

@@ -13,10 +13,13 @@ from keras_dvi import (
     EmpiricalBayesRegularizer,
     GaussianPriorRegularizer,
     HeteroscedasticELL,
+    NealPrior,
+    ScalePriorRegularizer,
     SoftmaxDeltaELL,
     predictive,
     unpack,
 )
+from keras_dvi.objective import describe
 from tests.conftest import to_numpy
 
 
@@ -64,6 +67,60 @@ def test_prior_kl_matches_monte_carlo():
         np.testing.assert_allclose(float(to_numpy(reg(t(mean), t(var), 4))), kl / 50, rtol=1e-6)
 
 
+def _scale_prior_objective(mean, var, fan_in, a, b, shape, rate):
+    """Independent oracle for `ScalePriorRegularizer`: `E_q(s)[KL(q(w) || N(0, 1 / (s fan_in)))]
+    + KL(Gamma(a, b) || Gamma(shape, rate))` for any `q(s) = Gamma(a, b)`, both by quadrature."""
+    from scipy import integrate
+
+    q, p = stats.gamma(a, scale=1 / b), stats.gamma(shape, scale=1 / rate)
+    lo, hi = q.ppf(1e-12), q.ppf(1 - 1e-12)
+
+    def kl_given(s):
+        prior_var = 1.0 / (s * fan_in)
+        return 0.5 * np.sum(np.log(prior_var / var) - 1 + (var + mean**2) / prior_var)
+
+    expected = integrate.quad(lambda s: q.pdf(s) * kl_given(s), lo, hi, epsabs=1e-11, epsrel=1e-11, limit=200)[0]
+    kl_s = integrate.quad(lambda s: q.pdf(s) * (q.logpdf(s) - p.logpdf(s)), lo, hi, epsabs=1e-11, epsrel=1e-11,
+                          limit=200)[0]
+    return expected + kl_s
+
+
+@pytest.mark.parametrize("shape, rate, fan_in", [(2.0, 2.0, 5), (3.0, 0.5, 1)])
+def test_scale_prior_kl_is_the_minimum_over_gamma_posteriors(shape, rate, fan_in):
+    """The closed form is the quadrature objective at its minimum over every `Gamma(a, b)`
+    posterior of the scale (found by a numerical search, not the formula), and that minimum
+    is where `scale_posterior` puts it."""
+    rng = np.random.default_rng(9)
+    mean = rng.normal(size=(5, 3)) * 0.4
+    var = rng.uniform(0.02, 0.3, size=(5, 3))
+    reg = ScalePriorRegularizer(num_train=40, shape=shape, rate=rate)
+    t = lambda a: keras.ops.convert_to_tensor(a)  # noqa: E731
+    closed = float(to_numpy(reg.kl(t(mean), t(var), fan_in)))
+    search = optimize.minimize(lambda z: _scale_prior_objective(mean, var, fan_in, *np.exp(z), shape, rate),
+                               x0=np.log([shape, rate]), method="Nelder-Mead",
+                               options={"xatol": 1e-8, "fatol": 1e-10, "maxiter": 4000})
+    np.testing.assert_allclose(closed, search.fun, rtol=1e-5)
+    a, b = reg.scale_posterior(t(mean), t(var), fan_in)
+    np.testing.assert_allclose([a, float(to_numpy(b))], np.exp(search.x), rtol=1e-3)
+    np.testing.assert_allclose(float(to_numpy(reg(t(mean), t(var), fan_in))), closed / 40, rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:The classifier")  # three epochs on 64 rows: at its prior
+def test_scale_prior_trains_and_saves(tmp_path):
+    """A network under the scale prior trains to finite losses and round-trips through `.keras`."""
+    rng = np.random.default_rng(10)
+    x = rng.normal(size=(64, 2)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    model = _toy_model(ScalePriorRegularizer(num_train=64, rate=1.5), DenseDiagDVI)
+    model.compile(keras.optimizers.Adam(1e-2), loss=SoftmaxDeltaELL())
+    history = model.fit(x, y, epochs=3, batch_size=32, verbose=0).history
+    assert np.all(np.isfinite(history["loss"])) and history["kl"][-1] > 0
+    model.save(tmp_path / "scale.keras")
+    loaded = keras.models.load_model(tmp_path / "scale.keras")
+    assert loaded.layers[0].regularizer.get_config() == model.layers[0].regularizer.get_config()
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), rtol=1e-6)
+
+
 def test_prior_argument_errors():
     for kwargs, match in [
         ({"num_train": 0}, "num_train"),
@@ -75,6 +132,9 @@ def test_prior_argument_errors():
             EmpiricalBayesRegularizer(**kwargs)
     with pytest.raises(ValueError, match="variance"):
         GaussianPriorRegularizer(10, variance=0)
+    for kwargs in ({"shape": 0}, {"rate": -2}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            ScalePriorRegularizer(10, **kwargs)
     with pytest.raises(ValueError, match="regularizer"):
         DenseDVI(3, regularizer=keras.regularizers.L2(0.1))
 
@@ -126,6 +186,44 @@ def test_fit_minimises_negative_elbo_over_n_and_logs_its_parts():
     results = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
     assert set(results) == {"loss", "nll", "kl"}
     np.testing.assert_allclose(results["loss"], nll + kl, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_train", [64, 100_000])
+def test_auto_kl_weight_is_n_over_p_in_fit_evaluate_and_describe(n_train, tmp_path):
+    """`kl_weight="auto"`: the KL enters `fit`'s and `evaluate`'s loss with weight
+    `min(1, N / P)`, `P` counted here from the layers' shapes; `describe` states it, and the
+    setting survives a `.keras` round trip."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(32, 2)).astype("float32")
+    y = rng.normal(size=(32,)).astype("float32")
+    prior = EmpiricalBayesRegularizer(num_train=n_train, kl_weight="auto", kl_warmup_steps=0)
+    model = _toy_model(prior)
+    model.compile(keras.optimizers.SGD(0.0), loss=HeteroscedasticELL())
+    weights = (2 * 8 + 8) + (8 * 8 + 8) + (8 * 2 + 2)  # kernels and biases of 2-8-8-2
+    expected = min(1.0, n_train / weights)
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
+    kl = sum(_numpy_eb_kl(layer) for layer in model.layers) / n_train
+    np.testing.assert_allclose(history["kl"][0], kl, rtol=1e-5)
+    np.testing.assert_allclose(history["loss"][0], history["nll"][0] + expected * kl, rtol=1e-5)
+    results = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    np.testing.assert_allclose(results["loss"], results["nll"] + expected * kl, rtol=1e-5)
+    text = describe(model)
+    assert f"nll + {expected:.3g} * KL / {n_train}" in text and f"P = {weights} weights" in text
+    assert ("tempered posterior" in text) == (expected < 1)
+    model.save(tmp_path / "auto.keras")
+    loaded = keras.models.load_model(tmp_path / "auto.keras")
+    assert loaded.layers[0].regularizer.kl_weight == "auto"
+    assert describe(loaded) == text
+
+
+def test_kl_weight_argument_errors():
+    with pytest.raises(ValueError, match="kl_weight.*'auto'"):
+        EmpiricalBayesRegularizer(10, kl_weight="full")
+    with pytest.raises(ValueError, match="kl_weight.*closed-form priors"):
+        NealPrior(10, kl_weight="auto")
+    for value in (0, -1.0):
+        with pytest.raises(ValueError, match="kl_weight"):
+            GaussianPriorRegularizer(10, kl_weight=value)
 
 
 @pytest.mark.tensorflow_only  # tf.data

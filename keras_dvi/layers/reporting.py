@@ -112,10 +112,20 @@ class ELBOReportingLayer(KerasDVILayer):
             return ops.maximum(ops.convert_to_tensor(self.kl_warmup_length), 1.0)
         return warmup
 
+    def kl_weight_after_warmup(self):
+        """The prior's `kl_weight`, with `"auto"` resolved to `min(1, N / P)` for the network
+        this layer runs in (`keras_dvi.priors.auto_kl_weight`; outside a model's call, `P`
+        counts this layer alone)."""
+        kl_weight = self._kl_schedule()[0]
+        if kl_weight != priors.AUTO_KL_WEIGHT:
+            return kl_weight
+        return priors.auto_kl_weight(self.regularizer.num_train,
+                                     objective.prior_weight_count(objective.network_of(self)))
+
     def kl_weight_value(self, training=False):
         """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;
         while training, times the warm-up factor of the current `kl_step`."""
-        kl_weight = self._kl_schedule()[0]
+        kl_weight = self.kl_weight_after_warmup()
         warmup = self._warmup()
         if not training or (isinstance(warmup, int) and not warmup):
             return kl_weight
