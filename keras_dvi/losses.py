@@ -22,6 +22,10 @@ def _report(nll, probabilities=None):
 class _ValidatingLoss(keras.losses.Loss):
     """Base of the keras-dvi losses: the `validate` flag and its config entry."""
 
+    #: Whether the likelihood is categorical (a classifier): `kl_weight="auto"` then applies
+    #: its rule `min(1, N / P)` (`keras_dvi.priors.auto_kl_weight`); else the ELBO.
+    categorical = False
+
     def __init__(self, validate=False, reduction="sum_over_batch_size", name=None, dtype=None):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         self.validate = bool(validate)
@@ -97,6 +101,9 @@ class HeteroscedasticELL(_ValidatingLoss):
 class SoftmaxDeltaELL(_ValidatingLoss):
     """Negative expected log-likelihood of a softmax (categorical) likelihood over logits.
 
+    (A classification loss: under it, a prior's `kl_weight="auto"` weighs the KL
+    `min(1, N / P)`.)
+
     Logits `a ~ N(m, S)` (the packed output of the last keras-dvi layer, `C >= 2` units).
     `method="delta"`: the second-order delta method, Wu et al. (ICLR 2019) eq. 21:
     `E[log p(y|a)] ~= m_y - logsumexp(m) - (p . diag(S) - p^T S p) / 2`,
@@ -120,6 +127,8 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         name: loss name.
         dtype: dtype of the loss computation.
     """
+
+    categorical = True
 
     def __init__(self, method="delta", validate=False, reduction="sum_over_batch_size", name="softmax_delta_ell", dtype=None):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
@@ -230,7 +239,8 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class SampledSoftmaxELL(_ValidatingLoss):
-    """Monte Carlo negative expected softmax log-likelihood over sampled logits.
+    """Monte Carlo negative expected softmax log-likelihood over sampled logits (a
+    classification loss, as `SoftmaxDeltaELL`).
 
     `(1/S) sum_s -log softmax(a_s)_y` for logit samples `a_s`, `(batch, samples, C)`. Labels as
     in `SoftmaxDeltaELL` (integers or one-hot).
@@ -248,6 +258,8 @@ class SampledSoftmaxELL(_ValidatingLoss):
     ...     GlobalInducingDense(10, output_layer=True)])
     >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledSoftmaxELL())
     """
+
+    categorical = True
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_softmax_ell", dtype=None):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)

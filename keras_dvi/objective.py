@@ -8,7 +8,7 @@ with `nll` the batch mean of the negative expected log-likelihood (the keras-dvi
 the number of training examples given to the prior, and `w_t` the KL weight of training step
 `t`: a linear warm-up from 0 to `kl_weight` over the prior's `kl_warmup_steps`, then
 `kl_weight` (1 is the ELBO; below 1 tempers the posterior, a departure from the ELBO;
-`"auto"`: `min(1, N / P)` for the `P` weights of the network, `prior_weight_count`). Outside
+`"auto"`: `min(1, N / P)` for the `P` weights of a classifier, `resolved_kl_weight`). Outside
 training (`evaluate`, `val_loss`, `model(x)`) the weight is always `kl_weight`, so that
 `val_loss` is the same objective at every epoch and `EarlyStopping` / `ModelCheckpoint` on
 their default monitor are not fooled by the warm-up.
@@ -160,6 +160,28 @@ def prior_weight_count(layer):
     return total
 
 
+def trains_classifier(model):
+    """Whether `model` is compiled with a keras-dvi classification loss (`SoftmaxDeltaELL`,
+    `SampledSoftmaxELL`): `True`, `False`, or `None` when it is not compiled (or is a layer)."""
+    loss = getattr(model, "loss", None) if isinstance(model, keras.Model) else None
+    if loss is None:
+        return None
+    return any(getattr(item, "categorical", False) for item in keras.tree.flatten(loss))
+
+
+def resolved_kl_weight(prior, model):
+    """The KL weight `prior` gives the network `model` after the warm-up: its `kl_weight`, or
+    for `"auto"` the rule `min(1, N / P)` when `model` trains a classifier
+    (`trains_classifier`) and 1 (the ELBO) otherwise."""
+    from keras_dvi import priors
+
+    if prior.kl_weight != priors.AUTO_KL_WEIGHT:
+        return prior.kl_weight
+    if not trains_classifier(model):
+        return 1.0
+    return priors.auto_kl_weight(prior.num_train, prior_weight_count(model))
+
+
 def network_of(layer):
     """The model a layer runs in: the model of the running `fit` / `evaluate` step, else the
     outermost model whose `call` is running, else the layer itself."""
@@ -179,8 +201,9 @@ def describe(model):
 
     >>> print(keras_dvi.objective.describe(model))  # doctest: +SKIP
     After the KL warm-up (three quarters of the steps fit plans, at most 3000), fit minimises
-    nll + 0.0571 * KL / 1005: a tempered posterior (EmpiricalBayesRegularizer, kl_weight='auto':
-    min(1, N / P) with N = 1005 training examples and P = 17610 weights under keras-dvi priors).
+    nll + 0.0571 * KL / 1005: a tempered posterior (EmpiricalBayesRegularizer, kl_weight='auto'
+    for a classifier: min(1, N / P) with N = 1005 training examples and P = 17610 weights under
+    keras-dvi priors).
     """
     from keras_dvi import priors
 
@@ -197,15 +220,21 @@ def describe(model):
         stack.extend(getattr(current, "layers", None) or [])
     if not found:
         return "fit minimises nll: no keras-dvi layer has a prior, so there is no KL term."
-    count = prior_weight_count(model)
+    count, classifier = prior_weight_count(model), trains_classifier(model)
     sentences = []
     for prior in found.values():
-        if prior.kl_weight == priors.AUTO_KL_WEIGHT:
-            weight = priors.auto_kl_weight(prior.num_train, count)
-            rule = (f", kl_weight='auto': min(1, N / P) with N = {prior.num_train} training examples and "
-                    f"P = {count} weights under keras-dvi priors")
+        weight = resolved_kl_weight(prior, model)
+        if prior.kl_weight != priors.AUTO_KL_WEIGHT:
+            rule = f", kl_weight={prior.kl_weight:g}"
+        elif classifier:
+            rule = (f", kl_weight='auto' for a classifier: min(1, N / P) with N = {prior.num_train} training "
+                    f"examples and P = {count} weights under keras-dvi priors")
+        elif classifier is None:
+            rule = (f", kl_weight='auto' before compile: 1 unless the model is compiled with a keras-dvi "
+                    f"classification loss, then min(1, N / P) = "
+                    f"{priors.auto_kl_weight(prior.num_train, count):.3g} for P = {count} weights")
         else:
-            weight, rule = prior.kl_weight, f", kl_weight={prior.kl_weight:g}"
+            rule = ", kl_weight='auto' for a model that is not a classifier: 1"
         kind = "the ELBO" if weight == 1.0 else "a tempered posterior"
         warmup = prior.kl_warmup_steps
         warmup = ("three quarters of the steps fit plans, at most 3000" if warmup == "auto"
@@ -360,10 +389,11 @@ class ELBOTracker(keras.metrics.Metric):
             f"prior: after the KL warm-up its predictions carry {information:.3f} nats of "
             f"information about its inputs (against {spread:.3f} for the spread of its average "
             f"prediction) and its nll is {nll:.3f} (a uniform guess: {log_classes:.3f}). It "
-            "predicts about the same class probabilities for every input. Cause: the full ELBO's "
-            "KL term outweighs what the data can pay for, which happens with many weights per "
-            "training example (small data sets, wide networks, short runs): the mean-field "
-            "posterior is pulled back to the prior. Fixes: a tempered posterior by a stated rule "
+            f"predicts about the same class probabilities for every input. Cause: the KL term "
+            f"(weight {layer.kl_weight_after_warmup():.3g} after the warm-up) outweighs what the data "
+            "can pay for, which happens with many weights per training example (small data sets, "
+            "wide networks, short runs): the mean-field posterior is pulled back to the prior. "
+            "Fixes: a tempered posterior by a stated rule "
             "(`EmpiricalBayesRegularizer(num_train, kl_weight='auto')`: KL weight min(1, N / P) "
             "for N examples and P weights, with `SoftmaxDeltaELL(method='jankowiak')`), a Bayesian "
             "last layer over plain Keras layers, or more data; `kl_warmup_steps=0` makes this "

@@ -56,14 +56,16 @@ AUTO_KL_WEIGHT = "auto"
 
 
 def auto_kl_weight(num_train, num_weights):
-    """The KL weight of `kl_weight="auto"`: `min(1, N / P)` for `N` training examples and a
-    network of `P` weights under keras-dvi priors (kernels and biases; the posterior's means).
+    """The rule of `kl_weight="auto"` for a classifier: `min(1, N / P)` for `N` training
+    examples and a network of `P` weights under keras-dvi priors (kernels and biases).
 
     While the network has at least as many training examples as weights it is the ELBO
     (weight 1). With more weights than examples the full ELBO's KL, which grows with `P`,
-    outweighs a likelihood that grows with `N` (at most `N log C` nats for `C` classes), and a
+    outweighs a categorical likelihood, which can gain at most `log C` nats per example, and a
     mean-field classifier is pulled back to its prior (BENCHMARKS.md); the rule weighs the KL
-    as if there were one training example per weight: a tempered posterior, stated."""
+    as if there were one training example per weight: a tempered posterior, stated. A
+    regression likelihood has no such bound, and `"auto"` keeps the ELBO there
+    (`keras_dvi.objective.resolved_kl_weight`)."""
     return min(1.0, float(num_train) / max(1, int(num_weights)))
 
 
@@ -73,7 +75,7 @@ def _kl_weight(value, allow_auto):
     if isinstance(value, str):
         raise ValueError(
             "Argument `kl_weight` must be a positive number"
-            + (" or 'auto' (min(1, num_train / number of weights))" if allow_auto else
+            + (" or 'auto' (a classifier: min(1, num_train / number of weights); else 1)" if allow_auto else
                " (the 'auto' rule applies to the closed-form priors of DVI and MCVI layers only)")
             + f"; received kl_weight={value!r}."
         )
@@ -102,9 +104,10 @@ class KLSettings:
         kl_weight: weight of the KL term after the warm-up. 1 (the default) is the ELBO;
             a value below 1 tempers the posterior (a "cold" posterior, closer to maximum
             likelihood): a departure from Bayesian inference, sometimes better calibrated on
-            small data sets (BENCHMARKS.md). `"auto"` (closed-form priors only): the rule
-            `min(1, N / P)` of `auto_kl_weight`, with `P` the number of weights under
-            keras-dvi priors in the network being trained or called.
+            small data sets (BENCHMARKS.md). `"auto"` (closed-form priors only): for a network
+            compiled with a classification loss (`SoftmaxDeltaELL`, `SampledSoftmaxELL`) the
+            rule `min(1, N / P)` of `auto_kl_weight`, with `P` the number of weights under
+            keras-dvi priors in the network; otherwise 1, the ELBO.
         kl_warmup_steps: training steps (optimizer updates) over which the KL weight rises
             linearly from 0 to `kl_weight`, or `"auto"` (the default): three quarters of the
             training steps that the first `fit` of the network plans (`epochs *

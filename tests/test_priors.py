@@ -188,19 +188,23 @@ def test_fit_minimises_negative_elbo_over_n_and_logs_its_parts():
     np.testing.assert_allclose(results["loss"], nll + kl, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n_train", [64, 100_000])
-def test_auto_kl_weight_is_n_over_p_in_fit_evaluate_and_describe(n_train, tmp_path):
+@pytest.mark.filterwarnings("ignore:The classifier")  # one step at a learning rate of 0: at its prior
+@pytest.mark.parametrize("task, n_train", [("classifier", 64), ("classifier", 100_000), ("regression", 64)])
+def test_auto_kl_weight_is_n_over_p_for_classifiers(task, n_train, tmp_path):
     """`kl_weight="auto"`: the KL enters `fit`'s and `evaluate`'s loss with weight
-    `min(1, N / P)`, `P` counted here from the layers' shapes; `describe` states it, and the
-    setting survives a `.keras` round trip."""
+    `min(1, N / P)` (`P` counted here from the layers' shapes) in a classifier, and 1 in a
+    regression network; `describe` states it, before and after `compile`, and the setting
+    survives a `.keras` round trip."""
     rng = np.random.default_rng(11)
     x = rng.normal(size=(32, 2)).astype("float32")
-    y = rng.normal(size=(32,)).astype("float32")
+    classifier = task == "classifier"
+    y = (x[:, 0] > 0).astype("int32") if classifier else rng.normal(size=(32,)).astype("float32")
     prior = EmpiricalBayesRegularizer(num_train=n_train, kl_weight="auto", kl_warmup_steps=0)
     model = _toy_model(prior)
-    model.compile(keras.optimizers.SGD(0.0), loss=HeteroscedasticELL())
     weights = (2 * 8 + 8) + (8 * 8 + 8) + (8 * 2 + 2)  # kernels and biases of 2-8-8-2
-    expected = min(1.0, n_train / weights)
+    assert f"min(1, N / P) = {min(1.0, n_train / weights):.3g} for P = {weights}" in describe(model)
+    model.compile(keras.optimizers.SGD(0.0), loss=SoftmaxDeltaELL() if classifier else HeteroscedasticELL())
+    expected = min(1.0, n_train / weights) if classifier else 1.0
     history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
     kl = sum(_numpy_eb_kl(layer) for layer in model.layers) / n_train
     np.testing.assert_allclose(history["kl"][0], kl, rtol=1e-5)
@@ -208,8 +212,9 @@ def test_auto_kl_weight_is_n_over_p_in_fit_evaluate_and_describe(n_train, tmp_pa
     results = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
     np.testing.assert_allclose(results["loss"], results["nll"] + expected * kl, rtol=1e-5)
     text = describe(model)
-    assert f"nll + {expected:.3g} * KL / {n_train}" in text and f"P = {weights} weights" in text
+    assert f"nll + {expected:.3g} * KL / {n_train}" in text
     assert ("tempered posterior" in text) == (expected < 1)
+    assert (f"P = {weights} weights" in text) == classifier
     model.save(tmp_path / "auto.keras")
     loaded = keras.models.load_model(tmp_path / "auto.keras")
     assert loaded.layers[0].regularizer.kl_weight == "auto"

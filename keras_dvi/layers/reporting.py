@@ -113,14 +113,13 @@ class ELBOReportingLayer(KerasDVILayer):
         return warmup
 
     def kl_weight_after_warmup(self):
-        """The prior's `kl_weight`, with `"auto"` resolved to `min(1, N / P)` for the network
-        this layer runs in (`keras_dvi.priors.auto_kl_weight`; outside a model's call, `P`
-        counts this layer alone)."""
+        """The prior's `kl_weight`, with `"auto"` resolved for the network this layer runs in
+        (`keras_dvi.objective.resolved_kl_weight`: `min(1, N / P)` for a classifier, else 1;
+        outside a compiled model's call, 1)."""
         kl_weight = self._kl_schedule()[0]
         if kl_weight != priors.AUTO_KL_WEIGHT:
             return kl_weight
-        return priors.auto_kl_weight(self.regularizer.num_train,
-                                     objective.prior_weight_count(objective.network_of(self)))
+        return objective.resolved_kl_weight(self.regularizer, objective.network_of(self))
 
     def kl_weight_value(self, training=False):
         """The weight `w_t` of this layer's KL at its next call: `kl_weight` outside training;
