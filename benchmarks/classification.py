@@ -13,7 +13,8 @@ Protocol (fixed before any result was seen, the same for every method):
 * network: 64-100-100-10 ReLU; Adam 3e-3, batches of 64, 100 epochs.
 * methods: `mlp` (plain Keras), `dropout` (MC dropout, p = 0.1 after each hidden layer, 50
   samples at test time), `ensemble` (5 plain networks from different seeds, probabilities
-  averaged), and keras-dvi with its defaults: `dvi` (`DenseDiagDVI` body, `DenseDVI` head),
+  averaged), `ivon` (the plain network's weights under a mean-field Gaussian posterior trained
+  by IVON, Shen et al. 2024, `lambda = N`: `ivon.py`; `--ivon-lr`, `--ivon-hess-init`), and keras-dvi with its defaults: `dvi` (`DenseDiagDVI` body, `DenseDVI` head),
   `ddvi` (diagonal throughout), `mcvi` (`DenseMCVI`, 10 samples per step, 100 at test time).
   Convolutional networks (the check that the conv layers' defaults carry over to small images
   and signals; the MNIST benchmark's shape, "same" padding): `cnn` / `cnn_dvi` read the digits as
@@ -22,8 +23,10 @@ Protocol (fixed before any result was seen, the same for every method):
   network and as keras-dvi layers with their defaults (`Conv*DDVI`, `MaxPooling*DDVI(2,
   activation="relu")`, `FlattenDVI`, `DenseDiagDVI`, `DenseDVI`).
   keras-dvi networks use `EmpiricalBayesRegularizer(num_train)` and `SoftmaxDeltaELL()` with
-  their default arguments unless `--kl-weight`, `--kl-warmup-steps` or `--loss-method` say
-  otherwise, and `keras_dvi.predictive.class_probabilities` with its default method unless
+  their default arguments (`kl_weight="auto"`, Jankowiak's bound) unless `--kl-weight`,
+  `--kl-warmup-steps` or `--loss-method` say otherwise (cache folders name every argument that
+  differs from the defaults: `kl_weight=1.0,loss_method=delta` is the full ELBO with the delta
+  method), and `keras_dvi.predictive.class_probabilities` with its default method unless
   `--prob-method` does.
 * evaluation sets: the clean test set; rotations by 15, 30, 45 and 60 degrees
   (`scipy.ndimage.rotate(reshape=False)`, clipped to [0, 1]); Gaussian pixel noise of sd 0.1,
@@ -36,8 +39,9 @@ Protocol (fixed before any result was seen, the same for every method):
 
 The ablations behind the classifier defaults (`--validation`) vary, for keras-dvi methods: the
 prior (`--prior`: empirical Bayes, a fixed `N(0, v)`, a fixed `N(0, c / fan_in)`, empirical Bayes
-with its variance floored at `c / fan_in`), the KL weight (a number, or `--kl-weight-rule data`:
-`min(1, N / P)` for `N` training rows and `P` weights), the initialisation (`--init plain`: the
+with its variance floored at `c / fan_in`), the KL weight (`--kl-weight`: 1 for the full ELBO, a
+number, or `auto`, the library's default: `min(1, N / P)` for `N` training rows and `P`
+weights), the loss (`--loss-method delta` for the delta method), the initialisation (`--init plain`: the
 posterior means of a plain network of the same shape trained `--init-epochs` first, converted
 with `keras_dvi.convert`), a Bayesian last layer (`--body plain`), and, for every method, the
 hidden widths (`--hidden`) and epochs (`--epochs`). Records keep the training rows' `nll` and
@@ -61,7 +65,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-METHODS = ("mlp", "dropout", "ensemble", "dvi", "ddvi", "mcvi", "cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
+METHODS = ("mlp", "dropout", "ensemble", "ivon", "dvi", "ddvi", "mcvi", "cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
 KERAS_DVI_METHODS = ("dvi", "ddvi", "mcvi", "cnn_dvi", "cnn1d_dvi")
 #: The convolutional networks (issue 25's "same defaults on other image or signal data"): the
 #: digits as 8x8 images (`cnn`, `cnn_dvi`) or as 64-step signals, the image read row by row
@@ -147,6 +151,19 @@ def auroc(in_probs, out_probs):
 # ---------------------------------------------------------------- methods
 
 
+def _ivon_settings(args):
+    settings = {}
+    if getattr(args, "ivon_lr", None) is not None:
+        settings["learning_rate"] = args.ivon_lr
+    if getattr(args, "ivon_hess_init", None) is not None:
+        settings["hess_init"] = args.ivon_hess_init
+    if getattr(args, "ivon_prior_variance", None) is not None:
+        settings["prior_variance"] = args.ivon_prior_variance
+    if getattr(args, "ivon_beta2", None) is not None:
+        settings["beta2"] = args.ivon_beta2
+    return settings
+
+
 def _hidden(args):
     return tuple(getattr(args, "hidden", None) or HIDDEN)
 
@@ -163,10 +180,8 @@ def make_prior(num_train, fan_in, args):
     import keras_dvi as kd
 
     settings = {}
-    if args.kl_weight is not None:
+    if args.kl_weight is not None:  # a number, or "auto" (the library's default rule, min(1, N / P))
         settings["kl_weight"] = args.kl_weight
-    if getattr(args, "kl_weight_rule", None) == "data":  # the library's rule, min(1, N / P)
-        settings["kl_weight"] = "auto"
     if args.kl_warmup_steps is not None:
         settings["kl_warmup_steps"] = args.kl_warmup_steps
     kind, _, value = (getattr(args, "prior", None) or "eb").partition(":")
@@ -288,6 +303,13 @@ def train(method, x, y, classes, seed, args):
 
     keras.utils.set_random_seed(seed)
     start = time.time()
+    if method == "ivon":  # the plain network's weights under IVON's mean-field posterior
+        import ivon
+
+        predict, seconds = ivon.train_ivon(plain_network(classes, 0.0, x.shape[1], _hidden(args)), x, y,
+                                           _epochs(args), BATCH, seed, **_ivon_settings(args))
+        predict.all = lambda inputs: {"default": predict(inputs)}
+        return predict, seconds
     if method in ("mlp", "dropout", "ensemble", "cnn", "cnn1d"):
         members = ENSEMBLE_SIZE if method == "ensemble" else 1
         models = []
@@ -353,6 +375,8 @@ def run_one(method, split, args):
     record = {"method": method, "split": split, "validation": args.validation, "dataset": args.dataset,
               "recipe": recipe_label(method, args), "seconds_per_epoch": seconds / _epochs(args),
               "seconds": seconds}
+    if hasattr(predict, "train_nll"):  # IVON: the objective reached (-ELBO / N = nll + kl)
+        record["train_nll"], record["train_kl"] = predict.train_nll, predict.train_kl
     if hasattr(predict, "model"):  # keras-dvi: what training reached, with the full KL weight
         model = predict.model
         logs = model.evaluate(x, y, verbose=0, return_dict=True)
@@ -397,12 +421,16 @@ def recipe_label(method, args):
     parts = [method]
     if method in KERAS_DVI_METHODS:
         for name in ("kl_weight", "kl_warmup_steps", "loss_method", "prob_method", "variance_scale", "prior_beta",
-                     "prior", "kl_weight_rule", "body"):
+                     "prior", "body"):
             value = getattr(args, name, None)
             if value is not None:
                 parts.append(f"{name}={value}")
         if getattr(args, "init", None) is not None:
             parts.append(f"init={args.init}{args.init_epochs}")
+    if method == "ivon":
+        for name in ("ivon_lr", "ivon_hess_init", "ivon_prior_variance", "ivon_beta2"):
+            if getattr(args, name, None) is not None:
+                parts.append(f"{name.replace('ivon_', '')}={getattr(args, name)}")
     if getattr(args, "hidden", None) and tuple(args.hidden) != HIDDEN:
         parts.append("hidden=" + "x".join(str(w) for w in args.hidden))
     if getattr(args, "epochs", None) and args.epochs != EPOCHS:
@@ -461,6 +489,10 @@ def summary_markdown(records):
     return "\n".join(lines)
 
 
+def _kl_weight(text):
+    return text if text == "auto" else float(text)
+
+
 def make_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -471,9 +503,12 @@ def make_parser():
                         help="score on 20%% of the training rows, not the test split (ablations)")
     parser.add_argument("--results", default="benchmarks/results/classification", help="cache folder")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--kl-weight", type=float, default=None, help="keras-dvi methods (default: the prior's)")
+    parser.add_argument("--kl-weight", type=_kl_weight, default=None,
+                        help="keras-dvi methods: a number (1: the full ELBO) or auto (default: the prior's, auto: "
+                             "min(1, N / P) for N training rows and P weights)")
     parser.add_argument("--kl-warmup-steps", type=int, default=None, help="keras-dvi methods (default: the prior's)")
-    parser.add_argument("--loss-method", default=None, help="SoftmaxDeltaELL method (default: the loss's)")
+    parser.add_argument("--loss-method", default=None,
+                        help="SoftmaxDeltaELL method: jankowiak or delta (default: the loss's, jankowiak)")
     parser.add_argument("--variance-scale", type=float, default=None,
                         help="keras-dvi methods: initial kernel variance = scale / fan_in (default: the layers')")
     parser.add_argument("--prior-beta", type=float, default=None,
@@ -482,13 +517,16 @@ def make_parser():
     parser.add_argument("--prior", default=None,
                         help="keras-dvi methods: eb (default), gauss:V (N(0, V)), fanin:C (N(0, C / fan_in)), "
                              "ebfloor:C (empirical Bayes, variance at least C / fan_in), scale (ScalePriorRegularizer)")
-    parser.add_argument("--kl-weight-rule", choices=["data"], default=None,
-                        help="keras-dvi methods: data = kl_weight='auto', the KL weight min(1, N / P), N rows, P weights")
     parser.add_argument("--init", choices=["plain"], default=None,
                         help="keras-dvi methods: posterior means from a plain network trained --init-epochs first")
     parser.add_argument("--init-epochs", type=int, default=20)
     parser.add_argument("--body", choices=["plain"], default=None,
                         help="keras-dvi dense methods: plain hidden layers under a Bayesian last layer")
+    parser.add_argument("--ivon-lr", type=float, default=None, help="ivon: learning rate (default 0.2)")
+    parser.add_argument("--ivon-hess-init", type=float, default=None, help="ivon: initial Hessian h0 (default 0.3)")
+    parser.add_argument("--ivon-prior-variance", type=float, default=None,
+                        help="ivon: variance of the fixed Gaussian prior, delta = 1 / (N variance) (default 1)")
+    parser.add_argument("--ivon-beta2", type=float, default=None, help="ivon: Hessian momentum (default 0.99999)")
     parser.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden widths (default: 100 100)")
     parser.add_argument("--epochs", type=int, default=None, help=f"training epochs (default: {EPOCHS})")
     parser.add_argument("--summary-only", action="store_true")

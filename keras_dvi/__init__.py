@@ -12,7 +12,8 @@ networks without gradients. The public API, by topic:
   `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
-  `ScalePriorRegularizer` (`kl_weight="auto"`: the rule `min(1, N / P)`);
+  `ScalePriorRegularizer` (by default `kl_weight="auto"`: the ELBO for regression, the rule
+  `min(1, N / P)` for a classifier);
   `objective.describe(model)` (what `fit` minimises); the callback wrapper `AfterKLWarmup`;
   module `metrics` (Keras metrics for `compile`);
 * predictions: `predict(model, x)` (NumPy summaries), `predict_samples(model, x, num_samples)`,

@@ -183,9 +183,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     posterior whose means are the layer's weights (`DenseDiagDVI.from_dense`,
     `Conv2DDVI.from_conv`), and the layers between them follow: the conversion bayesian-torch's
     `dnn_to_bnn` and MOPED offer, for Keras. Train a plain network, convert it, and fine-tune
-    the Bayesian network with a keras-dvi loss: a classifier under the KL weight rule
-    (`kl_weight="auto"` with `SoftmaxDeltaELL(method="jankowiak")`; under the full ELBO a
-    small data set walks it back to the prior), a regression network under the full ELBO.
+    the Bayesian network with a keras-dvi loss and the priors' defaults: a classifier under the
+    KL weight rule of `kl_weight="auto"` (under the full ELBO, `kl_weight=1`, a small data set
+    walks it back to the prior), a regression network under the ELBO.
 
     | plain layer | keras-dvi layer |
     |---|---|
@@ -219,9 +219,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     Example:
 
     >>> plain.fit(x_train, y_train, epochs=20)
-    >>> rule = keras_dvi.EmpiricalBayesRegularizer(len(x_train), kl_weight="auto")
-    >>> bayesian = keras_dvi.convert(plain, regularizer=rule)
-    >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL(method="jankowiak"))
+    >>> prior = keras_dvi.EmpiricalBayesRegularizer(len(x_train))
+    >>> bayesian = keras_dvi.convert(plain, regularizer=prior)
+    >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL())
     >>> bayesian.fit(x_train, y_train, epochs=20)
     """
     if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential) and not model.built:

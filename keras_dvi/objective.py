@@ -384,6 +384,16 @@ class ELBOTracker(keras.metrics.Metric):
         if self.collapse_checks < 2:
             return
         self.warned_collapse = True
+        from keras_dvi import priors
+
+        if getattr(layer.regularizer, "kl_weight", None) == priors.AUTO_KL_WEIGHT:
+            fixes = ("Fixes: a Bayesian last layer over plain Keras layers, fewer weights, or more "
+                     "data (the KL weight is already the rule of kl_weight='auto'); ")
+        else:
+            fixes = ("Fixes: a tempered posterior by a stated rule, the priors' default "
+                     "`kl_weight='auto'` (KL weight min(1, N / P) for N examples and P weights, "
+                     "with `SoftmaxDeltaELL()`, Jankowiak's bound), a Bayesian last layer over "
+                     "plain Keras layers, or more data; ")
         warnings.warn(
             f"The classifier whose first keras-dvi layer is {layer.name!r} has collapsed to its "
             f"prior: after the KL warm-up its predictions carry {information:.3f} nats of "
@@ -393,11 +403,8 @@ class ELBOTracker(keras.metrics.Metric):
             f"(weight {layer.kl_weight_after_warmup():.3g} after the warm-up) outweighs what the data "
             "can pay for, which happens with many weights per training example (small data sets, "
             "wide networks, short runs): the mean-field posterior is pulled back to the prior. "
-            "Fixes: a tempered posterior by a stated rule "
-            "(`EmpiricalBayesRegularizer(num_train, kl_weight='auto')`: KL weight min(1, N / P) "
-            "for N examples and P weights, with `SoftmaxDeltaELL(method='jankowiak')`), a Bayesian "
-            "last layer over plain Keras layers, or more data; `kl_warmup_steps=0` makes this "
-            "worse (the documentation's classification guide).",
+            + fixes + "`kl_warmup_steps=0` makes this worse (the documentation's classification "
+            "guide).",
             UserWarning,
             stacklevel=2,
         )

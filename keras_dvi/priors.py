@@ -5,7 +5,9 @@ examples there are (`num_train`) and how the KL enters the objective (`kl_weight
 `kl_warmup_steps`; see `keras_dvi.objective`). Each layer adds `w_t * KL(q || p) / num_train`
 to the model's losses, separately for its kernel and its bias (one weight set each), so that
 what `model.fit` minimises after the warm-up is `-ELBO / N` (with `kl_weight = 1`) when the
-likelihood loss is averaged per example.
+likelihood loss is averaged per example. The closed-form priors' default `kl_weight="auto"`
+keeps that ELBO for regression and weighs a classifier's KL `min(1, N / P)` for its `P`
+weights (`auto_kl_weight`); `keras_dvi.objective.describe(model)` states which.
 
 `EmpiricalBayesRegularizer` is the paper's hierarchical prior (Wu et al., ICLR 2019, eqs.
 10-13): each weight set `lambda` has prior `N(0, s_lambda)` with `s_lambda ~ InvGamma(alpha,
@@ -53,6 +55,8 @@ def auto_kl_warmup_steps(planned_steps):
 
 #: `kl_weight="auto"`: the KL weight `min(1, N / P)` (see `auto_kl_weight`).
 AUTO_KL_WEIGHT = "auto"
+#: The default `kl_weight` of the closed-form priors (`PriorRegularizer`): the rule, `"auto"`.
+DEFAULT_KL_WEIGHT = AUTO_KL_WEIGHT
 
 
 def auto_kl_weight(num_train, num_weights):
@@ -101,13 +105,15 @@ class KLSettings:
 
     Args:
         num_train: number of training examples `N`; the KL is divided by it.
-        kl_weight: weight of the KL term after the warm-up. 1 (the default) is the ELBO;
-            a value below 1 tempers the posterior (a "cold" posterior, closer to maximum
-            likelihood): a departure from Bayesian inference, sometimes better calibrated on
-            small data sets (BENCHMARKS.md). `"auto"` (closed-form priors only): for a network
-            compiled with a classification loss (`SoftmaxDeltaELL`, `SampledSoftmaxELL`) the
-            rule `min(1, N / P)` of `auto_kl_weight`, with `P` the number of weights under
-            keras-dvi priors in the network; otherwise 1, the ELBO.
+        kl_weight: weight of the KL term after the warm-up. 1 is the ELBO; a value below 1
+            tempers the posterior (a "cold" posterior, closer to maximum likelihood): a
+            departure from Bayesian inference, stated by `keras_dvi.objective.describe`.
+            `"auto"` (the default of the closed-form priors, `PriorRegularizer`; global
+            inducing priors default to 1 and refuse it): for a network compiled with a
+            classification loss (`SoftmaxDeltaELL`, `SampledSoftmaxELL`) the rule
+            `min(1, N / P)` of `auto_kl_weight`, with `P` the number of weights under
+            keras-dvi priors in the network; otherwise (regression, or a model that is not
+            compiled) 1, the ELBO. Pass `kl_weight=1` for the ELBO of a classifier.
         kl_warmup_steps: training steps (optimizer updates) over which the KL weight rises
             linearly from 0 to `kl_weight`, or `"auto"` (the default): three quarters of the
             training steps that the first `fit` of the network plans (`epochs *
@@ -139,17 +145,20 @@ class KLSettings:
 
     @classmethod
     def from_config(cls, config):
-        return cls(**config)
+        # A config without `kl_weight` comes from a file saved before the priors had one: its
+        # network trained the ELBO, and keeps it (the default became "auto" later).
+        return cls(**{"kl_weight": 1.0, **config})
 
 
 class PriorRegularizer(KLSettings):
     """Base class: a prior whose KL to a factorised Gaussian posterior has a closed form
     (`KLSettings` holds `num_train`, `kl_weight` and `kl_warmup_steps`; `num_train` is
-    required; `kl_weight` may be `"auto"`)."""
+    required; `kl_weight` is `"auto"` by default: 1, the ELBO, for regression, and
+    `min(1, N / P)` for a classifier, see `auto_kl_weight`)."""
 
     accepts_auto_kl_weight = True
 
-    def __init__(self, num_train, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+    def __init__(self, num_train, kl_weight=DEFAULT_KL_WEIGHT, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         super().__init__(validation.num_train(num_train), kl_weight, kl_warmup_steps)
 
     def kl(self, mean, variance, fan_in):
@@ -187,7 +196,7 @@ class EmpiricalBayesRegularizer(PriorRegularizer):
     ... ])
     """
 
-    def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False, kl_weight=1.0,
+    def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False, kl_weight=DEFAULT_KL_WEIGHT,
                  kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
         self.alpha = validation.positive_number("alpha", alpha)
@@ -223,7 +232,7 @@ class GaussianPriorRegularizer(PriorRegularizer):
         kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
     """
 
-    def __init__(self, num_train, variance=1.0, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+    def __init__(self, num_train, variance=1.0, kl_weight=DEFAULT_KL_WEIGHT, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
         self.variance = validation.positive_number("variance", variance)
 
@@ -267,7 +276,7 @@ class ScalePriorRegularizer(PriorRegularizer):
     >>> layer = DenseDiagDVI(100, "relu", regularizer=prior)
     """
 
-    def __init__(self, num_train, shape=2.0, rate=2.0, kl_weight=1.0, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+    def __init__(self, num_train, shape=2.0, rate=2.0, kl_weight=DEFAULT_KL_WEIGHT, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
         self.shape = validation.positive_number("shape", shape)
         self.rate = validation.positive_number("rate", rate)

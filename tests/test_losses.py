@@ -97,7 +97,7 @@ def test_softmax_delta_matches_monte_carlo_for_small_covariance(structure):
     else:
         second = cov
     labels = rng.integers(0, 3, size=4)
-    got = to_numpy(SoftmaxDeltaELL(reduction=None)(labels, pack(mean, second)))
+    got = to_numpy(SoftmaxDeltaELL(method="delta", reduction=None)(labels, pack(mean, second)))
     draws = mc_gaussian(rng, mean, cov, 400_000)
     log_p = draws - np.log(np.exp(draws).sum(-1, keepdims=True))
     nll = -log_p[np.arange(4), :, labels]
@@ -107,6 +107,24 @@ def test_softmax_delta_matches_monte_carlo_for_small_covariance(structure):
     # The correction matters: ignoring the covariance is measurably worse.
     plain = to_numpy(keras.losses.sparse_categorical_crossentropy(labels, mean, from_logits=True))
     assert np.abs(plain - nll.mean(1)).max() > 5 * np.abs(got - nll.mean(1)).max()
+
+
+def test_softmax_jankowiak_lies_between_monte_carlo_and_jensens_bound():
+    """The default `method="jankowiak"` (Jankowiak 2018, eq. 38) against Monte Carlo over the
+    logits: for logit variances up to 2 it bounds the expected negative log-likelihood from
+    above (by more than the Monte Carlo error), and lies below Jensen's bound
+    `-m_y + log sum_j exp(m_j + S_jj / 2)` (as `1 + s / 2 <= exp(s / 2)`)."""
+    rng = np.random.default_rng(7)
+    mean = (2.0 * rng.normal(size=(6, 4))).astype("float32")
+    variance = rng.uniform(0.01, 2.0, size=(6, 4)).astype("float32")
+    labels = rng.integers(0, 4, size=6)
+    got = to_numpy(SoftmaxDeltaELL(reduction=None)(labels, pack(mean, variance)))
+    draws = mean[:, None, :] + np.sqrt(variance)[:, None, :] * rng.normal(size=(6, 200_000, 4))
+    nll = np.log(np.exp(draws).sum(-1)) - draws[np.arange(6), :, labels]
+    mc, se = nll.mean(1), nll.std(1) / np.sqrt(nll.shape[1])
+    jensen = -mean[np.arange(6), labels] + np.log(np.exp(mean + variance / 2).sum(-1))
+    assert (got > mc + 5 * se).all()
+    assert (got < jensen).all()
 
 
 def test_softmax_delta_drops_the_variance_penalty_of_confident_logits():
@@ -121,7 +139,7 @@ def test_softmax_delta_drops_the_variance_penalty_of_confident_logits():
     nll = np.log(np.exp(draws).sum(-1)) - draws[:, 0]
     mc, se = nll.mean(), nll.std() / np.sqrt(len(nll))  # about 0.51 +- 0.004
     plain = to_numpy(keras.losses.sparse_categorical_crossentropy(labels, mean, from_logits=True))[0]
-    delta = to_numpy(SoftmaxDeltaELL(reduction=None)(labels, pack(mean, variance)))[0]
+    delta = to_numpy(SoftmaxDeltaELL(method="delta", reduction=None)(labels, pack(mean, variance)))[0]
     jankowiak = to_numpy(SoftmaxDeltaELL("jankowiak", reduction=None)(labels, pack(mean, variance)))[0]
     assert abs(delta - plain) < 0.01  # the variance adds almost nothing (0.002 nats) ...
     assert mc - plain > 50 * se  # ... where Monte Carlo's penalty is 0.51 nats

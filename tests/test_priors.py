@@ -221,6 +221,28 @@ def test_auto_kl_weight_is_n_over_p_for_classifiers(task, n_train, tmp_path):
     assert describe(loaded) == text
 
 
+def test_defaults_state_the_rule_and_the_elbo_stays_one_argument_away(tmp_path):
+    """The closed-form priors default to `kl_weight="auto"` (global inducing priors to 1) and
+    `SoftmaxDeltaELL` to Jankowiak's bound; `kl_weight=1` asks for the full ELBO of a classifier,
+    and a saved model keeps the weight it was trained with (the config stores it), so a file
+    saved with `kl_weight=1.0` reloads on the ELBO."""
+    for prior in (EmpiricalBayesRegularizer(10), GaussianPriorRegularizer(10), ScalePriorRegularizer(10)):
+        assert prior.kl_weight == "auto"
+    assert NealPrior(10).kl_weight == 1.0
+    assert SoftmaxDeltaELL().method == "jankowiak"
+    texts = {}
+    for setting in ({}, {"kl_weight": 1.0}):
+        model = _toy_model(EmpiricalBayesRegularizer(num_train=64, kl_warmup_steps=0, **setting))
+        model.compile(keras.optimizers.SGD(0.0), loss=SoftmaxDeltaELL())
+        texts[bool(setting)] = describe(model)
+        model.save(tmp_path / "model.keras")
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+        assert loaded.layers[0].regularizer.kl_weight == setting.get("kl_weight", "auto")
+        assert describe(loaded) == texts[bool(setting)]
+    assert "a tempered posterior" in texts[False] and "kl_weight='auto' for a classifier" in texts[False]
+    assert "nll + 1 * KL / 64: the ELBO" in texts[True] and "kl_weight=1" in texts[True]
+
+
 def test_kl_weight_argument_errors():
     with pytest.raises(ValueError, match="kl_weight.*'auto'"):
         EmpiricalBayesRegularizer(10, kl_weight="full")

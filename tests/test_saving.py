@@ -36,7 +36,7 @@ def test_regression_model_predicts_the_same_and_trains_on(expected):
     model = _load("regression")
     np.testing.assert_allclose(model.predict(expected["x"], verbose=0), expected["regression"], rtol=1e-6, atol=1e-7)
     assert [float(to_numpy(layer.kl_step)) for layer in model.layers[:3]] == [0.0] * 3
-    prior = model.layers[0].regularizer  # an old config: the schedule takes its defaults
+    prior = model.layers[0].regularizer  # an old config: the ELBO it trained, the default warm-up
     assert prior.kl_weight == 1.0 and prior.kl_warmup_steps == kd.priors.DEFAULT_KL_WARMUP_STEPS
     history = model.fit(expected["x"], expected["y"], epochs=2, batch_size=8, verbose=0).history
     assert np.isfinite(history["loss"]).all() and set(history) >= {"loss", "nll", "kl"}
