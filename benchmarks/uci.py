@@ -60,18 +60,21 @@ METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi", "tagi")
 BATCH = 32
 
 
-def cache_label(method, gi_precision="shared", tagi_forward="linearized"):
+def cache_label(method, gi_precision="shared", tagi_forward="linearized", gi_prior="neal"):
     """The cache folder (`<results>/<data set>/<label>/`) of a method's splits. Per-unit
-    global inducing results are cached apart from the shared-precision ones, TAGI with exact
-    moments apart from the linearised one."""
+    global inducing results are cached apart from the shared-precision ones, and `ScalePrior`
+    ones apart from `NealPrior` ones; TAGI with exact moments apart from the linearised one."""
     if method == "tagi" and tagi_forward == "moments":
         return "tagi_moments"
-    return "gi_per_unit" if method == "gi" and gi_precision == "per_unit" else method
+    if method != "gi":
+        return method
+    return "gi" + ("_per_unit" if gi_precision == "per_unit" else "") + ("_scale" if gi_prior == "scale" else "")
 
 
 #: Summary files and the cache folders each one covers.
 SUMMARIES = {"summary": tuple(cache_label(m) for m in METHODS),
              "summary_gi_per_unit": (cache_label("gi", "per_unit"),),
+             "summary_gi_scale": (cache_label("gi", gi_prior="scale"), cache_label("gi", "per_unit", gi_prior="scale")),
              "summary_tagi_moments": (cache_label("tagi", tagi_forward="moments"),)}
 
 #: Published test log-likelihoods: Wu et al. 2019 Table 2 (DVI, dDVI, MCVI, hoDVI) and
@@ -171,7 +174,9 @@ def build(method, input_dim, num_train, args):
         model = keras.Sequential([
             keras.Input((input_dim,)),
             kd.GlobalInducingDense(50, "relu", num_inducing=args.inducing, num_samples=10,
-                                   precision=args.gi_precision, regularizer=kd.NealPrior(num_train=num_train)),
+                                   precision=args.gi_precision,
+                                   regularizer=(kd.ScalePrior if getattr(args, "gi_prior", "neal") == "scale"
+                                                else kd.NealPrior)(num_train=num_train)),
             kd.GlobalInducingDense(50, "relu", precision=args.gi_precision),
             kd.GlobalInducingDense(1, output_layer=True, precision=args.gi_precision),
             kd.SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0),
@@ -249,6 +254,7 @@ def run_one(folder, method, split, args):
               "test_ll": ll, "test_rmse": rmse, "seconds": seconds, "num_train": n}
     if method == "gi":
         record["precision"] = args.gi_precision
+        record["prior"] = getattr(args, "gi_prior", "neal")
     record["kl_warmup"] = warmup if warmup is not None else model.layers[0].regularizer.kl_warmup_steps
     if record["kl_warmup"] == "auto":  # the length the first step planned
         record["kl_warmup_length"] = int(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length))
@@ -554,6 +560,8 @@ def make_parser():
     parser.add_argument("--gi-lr", type=float, default=1e-2)
     parser.add_argument("--gi-precision", choices=("shared", "per_unit"), default="shared",
                         help="GlobalInducingDense precision (per_unit: App. K, about 5x slower)")
+    parser.add_argument("--gi-prior", choices=("neal", "scale"), default="neal",
+                        help="gi: NealPrior, or ScalePrior (Ober & Aitchison eqs. 16-18; cached as gi_scale)")
     parser.add_argument("--tagi-forward", choices=("linearized", "moments"), default="linearized",
                         help="tagi: TAGIModel's forward (the paper's linearised activations, or exact moments)")
     parser.add_argument("--tagi-noise-search", choices=("refine", "grid"), default="refine",
@@ -579,7 +587,8 @@ def main(argv=None):
         splits = args.splits if args.splits is not None else range(num_splits(folder))
         for split in splits:
             for method in args.methods:
-                path = _cache_path(args.results, folder, cache_label(method, args.gi_precision, args.tagi_forward),
+                path = _cache_path(args.results, folder, cache_label(method, args.gi_precision, args.tagi_forward,
+                                                                     args.gi_prior),
                                    split)
                 if os.path.exists(path):
                     with open(path) as f:

@@ -20,7 +20,7 @@ networks without gradients. The public API, by topic:
   `unpack(outputs)`; module `predictive` (predictive distributions and scores);
 * Monte Carlo layers: `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`, `GlobalInducingDense`,
   `SampledHomoscedasticNoise`, losses `SampledHeteroscedasticELL`, `SampledSoftmaxELL`, priors
-  `NealPrior`, `StandardPrior`, `initialize_from_data`, `set_sampling_seed`;
+  `NealPrior`, `StandardPrior`, `ScalePrior`, `initialize_from_data`, `set_sampling_seed`;
 * training without gradients: `TAGIModel` (module `tagi`);
 * `convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
   means;
@@ -60,6 +60,7 @@ _EXPORTS = {
     "SampledSoftmaxELL": "keras_dvi.losses",
     "NealPrior": "keras_dvi.priors",
     "StandardPrior": "keras_dvi.priors",
+    "ScalePrior": "keras_dvi.priors",
     "initialize_from_data": "keras_dvi.global_inducing",
     "predict_samples": "keras_dvi.predictive",
     "set_sampling_seed": "keras_dvi.sampling",

@@ -33,14 +33,19 @@ def precision_matrix(phi, precision, prior_precision):
     Args:
         phi: `(S, M, P)` features of the inducing points.
         precision: `(M,)` shared precisions, or `(M, U)` one column per output unit.
-        prior_precision: scalar `p` (the inverse prior variance of every weight).
+        prior_precision: scalar `p` (the inverse prior variance of every weight), or `(S,)`,
+            one per sample (a `ScalePrior`'s draws).
 
     Returns:
         `(S, P, P)` for shared precisions, `(S, U, P, P)` per unit.
     """
     size = phi.shape[-1]
-    eye = ops.eye(size, dtype=phi.dtype) * ops.cast(prior_precision, phi.dtype)
-    if len(precision.shape) == 1:
+    p = ops.cast(prior_precision, phi.dtype)
+    per_unit = len(precision.shape) != 1
+    if len(p.shape) == 1:  # one prior precision per sample: (S,) -> (S, 1, 1) or (S, 1, 1, 1)
+        p = ops.reshape(p, (-1, 1, 1, 1) if per_unit else (-1, 1, 1))
+    eye = ops.eye(size, dtype=phi.dtype) * p
+    if not per_unit:
         weighted = phi * precision[:, None]  # (S, M, P)
         return eye + ops.matmul(_transpose(weighted), phi)
     # (S, U, M, P): batched products are twice as fast as a three-operand einsum on CPU.
@@ -109,7 +114,7 @@ def posterior_sample(phi, precision, pseudo_outputs, prior_precision, noise):
         phi: `(S, M, P)` features of the inducing points (bias column included).
         precision: `(M,)` or `(M, U)` positive precisions `lambda`.
         pseudo_outputs: `(M, U)` pseudo-outputs `V`.
-        prior_precision: scalar `p`.
+        prior_precision: scalar `p`, or `(S,)` one per sample.
         noise: `(S, P, U)` standard normal draws `eps`.
 
     Returns:
@@ -143,7 +148,8 @@ def log_posterior_density(chol, noise):
 
 
 def log_prior_density(weights, prior_precision):
-    """`log N(W | 0, I / p)` summed over the weights of a layer, per sample `(S,)`."""
+    """`log N(W | 0, I / p)` summed over the weights of a layer, per sample `(S,)` (`p` a scalar
+    or `(S,)`)."""
     p = ops.cast(prior_precision, weights.dtype)
     count = weights.shape[-2] * weights.shape[-1]
     quad = ops.sum(ops.square(weights), axis=(-2, -1))

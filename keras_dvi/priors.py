@@ -34,6 +34,24 @@ def gaussian_kl(mean, variance, prior_variance):
     return 0.5 * ops.sum(ops.log(prior_variance) - ops.log(variance) - 1.0 + ratio)
 
 
+def log_gamma(x):
+    """`log Gamma(x)` for `x > 0` in `keras.ops` (differentiable; `keras.ops` has no `lgamma`):
+    the recursion `lgamma(x) = lgamma(x + 6) - log(x (x + 1) ... (x + 5))` and Stirling's series
+    at `z = x + 6 >= 6`, whose first omitted term is below 1e-10 there."""
+    x = ops.convert_to_tensor(x)
+    shift = ops.log(x * (x + 1.0) * (x + 2.0) * (x + 3.0) * (x + 4.0) * (x + 5.0))
+    z = x + 6.0
+    inv, inv2 = 1.0 / z, 1.0 / ops.square(z)
+    series = inv * (1.0 / 12.0 - inv2 * (1.0 / 360.0 - inv2 * (1.0 / 1260.0 - inv2 / 1680.0)))
+    return (z - 0.5) * ops.log(z) - z + 0.5 * math.log(2.0 * math.pi) + series - shift
+
+
+def gamma_log_density(x, shape, rate):
+    """`log Gamma(x; shape, rate)` (shape and rate parameterisation), elementwise."""
+    return shape * ops.log(rate) + (shape - 1.0) * ops.log(x) - rate * x - log_gamma(shape)
+
+
+
 #: Default KL warm-up: planned from the run (see `KLSettings` and `auto_kl_warmup_steps`).
 DEFAULT_KL_WARMUP_STEPS = "auto"
 #: `"auto"`: the share of the training steps `fit` plans over which the KL weight rises ...
@@ -343,19 +361,67 @@ class StandardPrior(WeightPrior):
         return 1.0
 
 
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class ScalePrior(WeightPrior):
+    """The `ScalePrior` of Ober & Aitchison (2021, eqs. 16-18) for `GlobalInducingDense`: each
+    layer's weights are `N(0, 1 / (s fan_in))` given a precision scale `s` with prior
+    `Gamma(shape, rate)` (paper: `Gamma(2, 2)`) and a learned variational posterior
+    `q(s) = Gamma(shape + alpha, rate + beta)`, `alpha, beta >= 0` (each layer its own, stored
+    in the layer as `scale_log_alpha` / `scale_log_beta`; both start at `log alpha = log beta = 6`,
+    as in the authors' code: `q(s)` concentrated at 1, `NealPrior`). Each weight sample draws
+    its own `s` (reparameterised), and the layer's Monte Carlo KL counts
+    `log q(s) - log p(s)` beside `log q(W | s) - log p(W | s)`.
+
+    Args:
+        num_train: as in `WeightPrior`.
+        shape: shape of the Gamma prior on `s` (paper: 2).
+        rate: rate of the Gamma prior on `s` (paper: 2).
+        kl_weight, kl_warmup_steps: as in `WeightPrior`.
+    """
+
+    #: `GlobalInducingDense` creates the variational parameters of `q(s)` for priors that set it.
+    learns_scale = True
+
+    def __init__(self, num_train=None, shape=2.0, rate=2.0, kl_weight=1.0, kl_warmup_steps=0):
+        super().__init__(num_train, kl_weight, kl_warmup_steps)
+        self.shape = validation.positive_number("shape", shape)
+        self.rate = validation.positive_number("rate", rate)
+
+    def prior_precision(self, fan_in):
+        """At the prior mean of `s`: `shape / rate * fan_in` (used where no sample is drawn)."""
+        return self.shape / self.rate * float(fan_in)
+
+    def scale_posterior(self, log_alpha, log_beta):
+        """`(a, b)`: shape and rate of `q(s)`."""
+        return self.shape + ops.exp(log_alpha), self.rate + ops.exp(log_beta)
+
+    def sample_scale(self, log_alpha, log_beta, samples, dtype, seed):
+        """`(s, log p(s) - log q(s))`, `(samples,)` each: reparameterised draws from `q(s)`."""
+        a, b = (ops.cast(v, dtype) for v in self.scale_posterior(log_alpha, log_beta))
+        s = keras.random.gamma((samples,), alpha=a, dtype=dtype, seed=seed) / b
+        log_ratio = (gamma_log_density(s, ops.cast(self.shape, dtype), ops.cast(self.rate, dtype))
+                     - gamma_log_density(s, a, b))
+        return s, log_ratio
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"shape": self.shape, "rate": self.rate})
+        return config
+
+
 def get_weight_prior(identifier):
     """A `WeightPrior` from `"neal"`, `"standard"`, an instance or a serialised config."""
     if isinstance(identifier, WeightPrior):
         return identifier
-    if isinstance(identifier, str) and identifier.lower() in ("neal", "standard"):
-        return NealPrior() if identifier.lower() == "neal" else StandardPrior()
+    if isinstance(identifier, str) and identifier.lower() in ("neal", "standard", "scale"):
+        return {"neal": NealPrior, "standard": StandardPrior, "scale": ScalePrior}[identifier.lower()]()
     if isinstance(identifier, dict):
         obj = keras.saving.deserialize_keras_object(identifier)
         if isinstance(obj, WeightPrior):
             return obj
     raise ValueError(
-        "Argument `regularizer` of GlobalInducingDense must be a keras_dvi.NealPrior or "
-        f"StandardPrior (e.g. `regularizer=keras_dvi.NealPrior(num_train=len(x_train))`); "
+        "Argument `regularizer` of GlobalInducingDense must be a keras_dvi.NealPrior, "
+        f"StandardPrior or ScalePrior (e.g. `regularizer=keras_dvi.NealPrior(num_train=len(x_train))`); "
         f"received {identifier!r}."
     )
 

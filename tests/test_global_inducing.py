@@ -423,3 +423,94 @@ def test_large_precisions_and_far_inputs_stay_finite():
     out, grads = model_gradients(model, x)
     assert np.isfinite(out).all()
     assert all(np.isfinite(g).all() for g in grads)
+
+
+# ---------------------------------------------------------------- ScalePrior (eqs. 16-18)
+
+
+def test_log_gamma_and_gamma_density_match_scipy():
+    """`priors.log_gamma` (Stirling's series after a shift; `keras.ops` has no lgamma) against
+    scipy's `gammaln`, its gradient against `digamma`, and `gamma_log_density` against
+    `scipy.stats.gamma`."""
+    from scipy import special
+
+    from keras_dvi.priors import gamma_log_density, log_gamma
+    from tests.conftest import gradients
+
+    x = np.array([0.05, 0.5, 1.0, 2.0, 3.7, 11.0, 405.0, 1e5])
+    np.testing.assert_allclose(ops.convert_to_numpy(log_gamma(x)), special.gammaln(x), rtol=1e-10, atol=1e-10)
+    _, (grad,) = gradients(lambda t: ops.sum(log_gamma(t)), [x])
+    np.testing.assert_allclose(grad, special.digamma(x), rtol=1e-8, atol=1e-8)
+    s, shape, rate = np.array([0.3, 1.0, 2.5]), np.array([2.0, 7.5, 405.0]), np.array([2.0, 3.0, 400.0])
+    np.testing.assert_allclose(ops.convert_to_numpy(gamma_log_density(s, shape, rate)),
+                               stats.gamma.logpdf(s, shape, scale=1.0 / rate), rtol=1e-9)
+
+
+def _gamma_kl(a_q, b_q, a_p, b_p):
+    """KL(Gamma(a_q, b_q) || Gamma(a_p, b_p)), shape and rate, in closed form (scipy's digamma)."""
+    from scipy import special
+
+    return ((a_q - a_p) * special.digamma(a_q) - special.gammaln(a_q) + special.gammaln(a_p)
+            + a_p * (math.log(b_q) - math.log(b_p)) + a_q * (b_p - b_q) / b_q)
+
+
+@pytest.mark.parametrize("per_unit", [False, True])
+def test_scale_prior_kl_averages_to_closed_form(per_unit):
+    """The Monte Carlo KL of a `ScalePrior` layer, `log q(W | s) q(s) - log p(W | s) p(s)` at
+    draws `s ~ q(s)` and `W ~ q(W | s)` (the global inducing posterior under the prior precision
+    `s fan_in`, one per draw), averages to `E_s[KL(q(W | s) || p(W | s))] + KL(q(s) || p(s))`:
+    the first term by the closed form per draw, the second by the Gamma KL's closed form."""
+    phi, precision, pseudo = _problem(9, per_unit=per_unit)
+    fan_in = phi.shape[1] - 1
+    prior = kd.ScalePrior(10, shape=2.0, rate=2.0)
+    log_alpha, log_beta = np.float64(math.log(3.0)), np.float64(math.log(1.5))
+    n = 20000
+    s, log_ratio_s = prior.sample_scale(ops.convert_to_tensor(log_alpha), ops.convert_to_tensor(log_beta), n,
+                                        "float64", keras.random.SeedGenerator(4))
+    p = s * float(fan_in)
+    phi_t = ops.convert_to_tensor(np.broadcast_to(phi, (n,) + phi.shape))
+    noise = keras.random.normal((n,) + (phi.shape[1], pseudo.shape[1]), dtype="float64", seed=5)
+    chol, w = inducing.posterior_sample(phi_t, ops.convert_to_tensor(precision), ops.convert_to_tensor(pseudo), p,
+                                        noise)
+    mc = inducing.log_posterior_density(chol, noise) - inducing.log_prior_density(w, p) - log_ratio_s
+    _, mean = inducing.weight_posterior(phi_t, ops.convert_to_tensor(precision), ops.convert_to_tensor(pseudo), p)
+    closed_w = inducing.gaussian_kl_full(chol, mean, p)  # (n,): per draw of s
+    diff = ops.convert_to_numpy(mc - closed_w)
+    expected = _gamma_kl(2.0 + 3.0, 2.0 + 1.5, 2.0, 2.0)
+    assert abs(diff.mean() - expected) < 5 * diff.std() / math.sqrt(n)
+    s = ops.convert_to_numpy(s)  # the draws follow q(s) = Gamma(5, 3.5)
+    assert stats.kstest(s, stats.gamma(5.0, scale=1.0 / 3.5).cdf).pvalue > 1e-3
+
+
+def test_scale_prior_trains_saves_and_loads(tmp_path):
+    """Each `GlobalInducingDense` layer under a `ScalePrior` learns its own `q(s)` (two weights,
+    starting at `log alpha = log beta = 6`), trains with a finite loss, and round-trips `.keras`
+    with the same predictions under a sampling seed."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 2)).astype("float32")
+    y = np.sin(x[:, :1]).astype("float32")
+    model = keras.Sequential([
+        keras.Input((2,)),
+        kd.GlobalInducingDense(8, "relu", num_inducing=16, regularizer=kd.ScalePrior(64), num_samples=2, seed=1),
+        kd.GlobalInducingDense(1, output_layer=True, seed=2),
+        kd.SampledHomoscedasticNoise(),
+    ])
+    model.compile(keras.optimizers.Adam(3e-2), loss=kd.SampledHeteroscedasticELL())
+    history = model.fit(x, y, epochs=8, batch_size=32, verbose=0).history
+    assert np.isfinite(history["loss"]).all() and history["kl"][-1] > 0
+    for layer in model.layers[:2]:
+        assert isinstance(layer.regularizer, kd.ScalePrior)
+        assert float(ops.convert_to_numpy(layer.scale_log_alpha)) != 6.0  # q(s) is learned
+    path = tmp_path / "scale.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
+    for m in (model, loaded):
+        kd.set_sampling_seed(m, 7)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+    with pytest.raises(ValueError, match="shape"):
+        kd.ScalePrior(10, shape=0.0)
+    with pytest.raises(ValueError, match="rate"):
+        kd.ScalePrior(10, rate=-1.0)
+    assert isinstance(kd.priors.get_weight_prior("scale"), kd.ScalePrior)

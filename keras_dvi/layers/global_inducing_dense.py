@@ -72,9 +72,11 @@ class GlobalInducingDense(ELBOReportingLayer):
         validate: data inputs are checked for NaN/inf in eager calls; `True` also checks them
             inside compiled functions.
         regularizer: the weight prior with the objective's settings, as on every keras-dvi
-            layer: `keras_dvi.NealPrior(num_train=N)` (`N(0, 1 / fan_in)`) or
-            `keras_dvi.StandardPrior(num_train=N)` (`N(0, 1)`), each with `kl_weight` and
-            `kl_warmup_steps`. `fan_in` counts the inputs without the bias column; the bias
+            layer: `keras_dvi.NealPrior(num_train=N)` (`N(0, 1 / fan_in)`),
+            `keras_dvi.StandardPrior(num_train=N)` (`N(0, 1)`) or
+            `keras_dvi.ScalePrior(num_train=N)` (`N(0, 1 / (s fan_in))`, a learned Gamma
+            posterior over `s` in each layer: weights `scale_log_alpha`, `scale_log_beta`),
+            each with `kl_weight` and `kl_warmup_steps`. `fan_in` counts the inputs without the bias column; the bias
             has the same prior. Required on the first layer; a later layer without one takes
             the prior of the layer feeding it (and a prior without `num_train` takes its `N`).
         **kwargs: base layer arguments.
@@ -253,6 +255,10 @@ class GlobalInducingDense(ELBOReportingLayer):
             initializer=keras.initializers.Constant(self.initial_log_precision / self.log_precision_scale),
             autocast=False,
         )
+        if getattr(self.regularizer, "learns_scale", False):  # ScalePrior: this layer's q(s)
+            self.scale_log_alpha, self.scale_log_beta = (
+                self.add_weight(name=name, shape=(), initializer=keras.initializers.Constant(6.0), autocast=False)
+                for name in ("scale_log_alpha", "scale_log_beta"))
         self._build_kl_step(is_head=self._is_first)
 
     # ---------------------------------------------------------------- maths
@@ -287,12 +293,24 @@ class GlobalInducingDense(ELBOReportingLayer):
             *self._posterior_arguments(inducing_features), self.prior_precision
         )
 
-    def sample_posterior(self, inducing_features, noise):
+    def sample_posterior(self, inducing_features, noise, prior_precision=None):
         """`(chol, weights)`: the factor of `A` and the weight draws `M_w + L^{-T} noise`,
-        `noise` `(samples, fan_in + 1, units)` (`keras_dvi.inducing.posterior_sample`)."""
+        `noise` `(samples, fan_in + 1, units)` (`keras_dvi.inducing.posterior_sample`), under
+        `prior_precision` (default: the prior's, `prior_precision`)."""
         return inducing.posterior_sample(
-            *self._posterior_arguments(inducing_features), self.prior_precision, noise
+            *self._posterior_arguments(inducing_features),
+            self.prior_precision if prior_precision is None else prior_precision, noise
         )
+
+    def sample_prior_precision(self, samples, dtype):
+        """`(p, log_ratio)`: the prior precision of the weights for each of `samples` draws and
+        the prior's own `log p - log q` per draw: for a `ScalePrior`, `p = s fan_in` with `s`
+        drawn from this layer's `q(s)`; else the prior's constant and 0."""
+        if not getattr(self.regularizer, "learns_scale", False):
+            return self.prior_precision, 0.0
+        scale, log_ratio = self.regularizer.sample_scale(
+            self.scale_log_alpha, self.scale_log_beta, samples, dtype, self.seed_generator)
+        return scale * float(self.fan_in), log_ratio
 
     def call(self, inputs, training=None):
         training = self._training(training)
@@ -311,10 +329,11 @@ class GlobalInducingDense(ELBOReportingLayer):
         noise = keras.random.normal(
             (samples, self.fan_in + 1, self.units), dtype=dtype, seed=self.seed_generator
         )
-        chol, weights = self.sample_posterior(h[:, :m], noise)
+        prior_precision, scale_log_ratio = self.sample_prior_precision(samples, dtype)
+        chol, weights = self.sample_posterior(h[:, :m], noise, prior_precision)
         log_ratio = inducing.log_posterior_density(chol, noise) - inducing.log_prior_density(
-            weights, self.prior_precision
-        )
+            weights, prior_precision
+        ) - scale_log_ratio
         self._report_kl_value(ops.mean(log_ratio) / float(self.num_train), training)
         out = self.activation(ops.einsum("snp,spu->snu", inducing.append_ones(h), weights))
         if self.output_layer:
