@@ -39,7 +39,7 @@ def log_gamma(x):
     the recursion `lgamma(x) = lgamma(x + 6) - log(x (x + 1) ... (x + 5))` and Stirling's series
     at `z = x + 6 >= 6`, whose first omitted term is below 1e-10 there."""
     x = ops.convert_to_tensor(x)
-    shift = ops.log(x * (x + 1.0) * (x + 2.0) * (x + 3.0) * (x + 4.0) * (x + 5.0))
+    shift = sum(ops.log(x + float(k)) for k in range(6))  # log x (x + 1) ... (x + 5), no overflow
     z = x + 6.0
     inv, inv2 = 1.0 / z, 1.0 / ops.square(z)
     series = inv * (1.0 / 12.0 - inv2 * (1.0 / 360.0 - inv2 * (1.0 / 1260.0 - inv2 / 1680.0)))
@@ -49,7 +49,6 @@ def log_gamma(x):
 def gamma_log_density(x, shape, rate):
     """`log Gamma(x; shape, rate)` (shape and rate parameterisation), elementwise."""
     return shape * ops.log(rate) + (shape - 1.0) * ops.log(x) - rate * x - log_gamma(shape)
-
 
 
 #: Default KL warm-up: planned from the run (see `KLSettings` and `auto_kl_warmup_steps`).

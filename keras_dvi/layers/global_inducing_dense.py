@@ -76,9 +76,10 @@ class GlobalInducingDense(ELBOReportingLayer):
             `keras_dvi.StandardPrior(num_train=N)` (`N(0, 1)`) or
             `keras_dvi.ScalePrior(num_train=N)` (`N(0, 1 / (s fan_in))`, a learned Gamma
             posterior over `s` in each layer: weights `scale_log_alpha`, `scale_log_beta`),
-            each with `kl_weight` and `kl_warmup_steps`. `fan_in` counts the inputs without the bias column; the bias
-            has the same prior. Required on the first layer; a later layer without one takes
-            the prior of the layer feeding it (and a prior without `num_train` takes its `N`).
+            each with `kl_weight` and `kl_warmup_steps`. `fan_in` counts the inputs without
+            the bias column; the bias has the same prior. Required on the first layer; a
+            later layer without one takes the prior of the layer feeding it (and a prior
+            without `num_train` takes its `N`).
         **kwargs: base layer arguments.
 
     Input shape:
