@@ -38,7 +38,7 @@ def train_ivon(model, x, y, epochs, batch, seed, learning_rate=0.2, hess_init=0.
     weights = model.trainable_variables
     n = len(x)
     ess = float(n)
-    WEIGHT_DECAY = 1.0 / (ess * prior_variance)  # noqa: N806 (the paper's delta)
+    weight_decay = 1.0 / (ess * prior_variance)  # the paper's delta
     rng = tf.random.Generator.from_seed(seed)
     h = [tf.Variable(tf.fill(w.shape, hess_init)) for w in weights]
     g = [tf.Variable(tf.zeros(w.shape)) for w in weights]
@@ -49,7 +49,7 @@ def train_ivon(model, x, y, epochs, batch, seed, learning_rate=0.2, hess_init=0.
     @tf.function
     def train_step(xb, yb):
         step.assign_add(1.0)
-        sigmas = [tf.math.rsqrt(ess * (hi + WEIGHT_DECAY)) for hi in h]
+        sigmas = [tf.math.rsqrt(ess * (hi + weight_decay)) for hi in h]
         noises = [rng.normal(m.shape) * s for m, s in zip(means, sigmas)]
         for w, m, e in zip(weights, means, noises):
             w.assign(m + e)
@@ -60,9 +60,9 @@ def train_ivon(model, x, y, epochs, batch, seed, learning_rate=0.2, hess_init=0.
             h_hat = grad * e / tf.square(s)
             gi.assign(BETA1 * gi + (1.0 - BETA1) * grad)
             hi.assign(beta2 * hi + (1.0 - beta2) * h_hat
-                      + 0.5 * (1.0 - beta2) ** 2 * tf.square(hi - h_hat) / (hi + WEIGHT_DECAY))
+                      + 0.5 * (1.0 - beta2) ** 2 * tf.square(hi - h_hat) / (hi + weight_decay))
             g_bar = gi / (1.0 - BETA1 ** step)
-            m.assign_sub(learning_rate * (g_bar + WEIGHT_DECAY * m) / (hi + WEIGHT_DECAY))
+            m.assign_sub(learning_rate * (g_bar + weight_decay * m) / (hi + weight_decay))
         return loss
 
     order_rng = np.random.default_rng(seed)
@@ -75,7 +75,7 @@ def train_ivon(model, x, y, epochs, batch, seed, learning_rate=0.2, hess_init=0.
     seconds = time.time() - start
 
     sample_rng = tf.random.Generator.from_seed(seed + 1)
-    final_sigmas = [tf.math.rsqrt(ess * (hi + WEIGHT_DECAY)) for hi in h]
+    final_sigmas = [tf.math.rsqrt(ess * (hi + weight_decay)) for hi in h]
     # The objective reached: E_q[nll] on the training rows (TEST_SAMPLES draws) and KL(q || p) / N
     # to the fixed N(0, prior_variance) prior, so that -ELBO / N = nll + kl.
     train_nll = 0.0
@@ -88,7 +88,7 @@ def train_ivon(model, x, y, epochs, batch, seed, learning_rate=0.2, hess_init=0.
              for m, s in zip(means, final_sigmas))
 
     def predict(inputs):
-        sigmas = [tf.math.rsqrt(ess * (hi + WEIGHT_DECAY)) for hi in h]
+        sigmas = [tf.math.rsqrt(ess * (hi + weight_decay)) for hi in h]
         probs = 0.0
         for _ in range(TEST_SAMPLES):
             for w, m, s in zip(weights, means, sigmas):

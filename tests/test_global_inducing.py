@@ -480,6 +480,18 @@ def test_scale_prior_kl_averages_to_closed_form(per_unit):
     assert abs(diff.mean() - expected) < 5 * diff.std() / math.sqrt(n)
     s = ops.convert_to_numpy(s)  # the draws follow q(s) = Gamma(5, 3.5)
     assert stats.kstest(s, stats.gamma(5.0, scale=1.0 / 3.5).cdf).pvalue > 1e-3
+    # One prior precision per sample gives each sample the posterior of its own precision
+    # (eq. 11 by dense inverses): the KL above cannot see a q(W | s) built with the wrong one.
+    chol3, mean3 = inducing.weight_posterior(phi_t[:3], ops.convert_to_tensor(precision),
+                                             ops.convert_to_tensor(pseudo), p[:3])
+    for i in range(3):
+        covs, means = _numpy_posterior(phi, precision, pseudo, float(s[i]) * fan_in)
+        np.testing.assert_allclose(ops.convert_to_numpy(mean3)[i], means, rtol=1e-8, atol=1e-10)
+        factor = ops.convert_to_numpy(chol3)[i]
+        factor = factor if factor.ndim == 3 else factor[None]
+        for u in range(covs.shape[0]):
+            a = factor[min(u, len(factor) - 1)]
+            np.testing.assert_allclose(np.linalg.inv(a @ a.T), covs[u], rtol=1e-8, atol=1e-10)
 
 
 def test_scale_prior_trains_saves_and_loads(tmp_path):
