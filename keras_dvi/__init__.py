@@ -19,6 +19,7 @@ networks without gradients. The public API, by topic:
 * predictions: `predict(model, x)` (NumPy summaries), `predict_samples(model, x, num_samples)`,
   `unpack(outputs)`; module `predictive` (predictive distributions and scores);
 * Monte Carlo layers: `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`, `GlobalInducingDense`,
+  `GlobalInducingConv2D`,
   `SampledHomoscedasticNoise`, losses `SampledHeteroscedasticELL`, `SampledSoftmaxELL`, priors
   `NealPrior`, `StandardPrior`, `ScalePrior`, `initialize_from_data`, `set_sampling_seed`;
 * training without gradients: `TAGIModel` (module `tagi`);
@@ -55,6 +56,7 @@ _EXPORTS = {
     "FlattenDVI": "keras_dvi.layers",
     "AddDVI": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
+    "GlobalInducingConv2D": "keras_dvi.layers",
     "SampledHomoscedasticNoise": "keras_dvi.layers",
     "SampledHeteroscedasticELL": "keras_dvi.losses",
     "SampledSoftmaxELL": "keras_dvi.losses",

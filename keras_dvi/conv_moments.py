@@ -315,6 +315,27 @@ def _window_taps(tensors, fills, pool_size, strides, padding, stacked=False):
     return result
 
 
+def patches(x, kernel_size, strides=1, padding="valid"):
+    """The input patch of every output position of a convolution, as rows of a regression:
+    `(batch, *out_spatial, prod(kernel_size) * channels)`, ordered as
+    `kernel.reshape(-1, filters)` of a Keras kernel `(*kernel_size, channels, filters)`, so that
+    `patches(x) @ kernel.reshape(-1, filters)` is `keras.ops.conv(x, kernel)` (zero padding as
+    Keras': "same" pads `total // 2` before). One strided slice per kernel offset.
+
+    Args:
+        x: channels-last feature maps `(batch, *spatial, channels)` with a known spatial shape.
+        kernel_size: tuple of the kernel's spatial sizes.
+        strides: integer or tuple.
+        padding: `"valid"` or `"same"`.
+    """
+    rank = len(x.shape) - 2
+    kernel_size, strides = _tuple(kernel_size, rank), _tuple(strides, rank)
+    (taps,) = _window_taps([x], [0.0], kernel_size, strides, padding, stacked=True)  # (k, batch, *out, C)
+    taps = ops.transpose(taps, tuple(range(1, rank + 2)) + (0, rank + 2))  # (batch, *out, k, C)
+    shape = ops.shape(taps)
+    return ops.reshape(taps, tuple(shape[:rank + 1]) + (math.prod(kernel_size) * x.shape[-1],))
+
+
 def _tiled_taps(t, pool_size, outs):
     """`_window_taps` of one tensor when the windows tile it (strides = pool size): a crop,
     a reshape and one transpose (cheaper to differentiate than one strided slice per offset)."""

@@ -6,12 +6,12 @@ import keras
 import numpy as np
 
 from keras_dvi import network
-from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
+from keras_dvi.layers.global_inducing_base import GlobalInducingLayer
 
 
 def global_inducing_layers(model):
-    """The `GlobalInducingDense` layers of `model`, in call order."""
-    return [layer for layer in network.layers_of(model) if isinstance(layer, GlobalInducingDense)]
+    """The global inducing layers (`GlobalInducingDense`, `GlobalInducingConv2D`) of `model`, in call order."""
+    return [layer for layer in network.layers_of(model) if isinstance(layer, GlobalInducingLayer)]
 
 
 def _first_and_output(model):
@@ -50,8 +50,9 @@ def initialize_from_data(model, x, y=None, seed=None):
     features = x[rows]
     if first.input is not model.inputs[0]:
         features = keras.Model(model.inputs, first.input).predict(features, verbose=0)
-    inducing = rng.standard_normal((m, first.fan_in))
-    inducing[:take] = np.asarray(features).reshape(take, first.fan_in)
+    shape = tuple(first.inducing_inputs.shape)
+    inducing = rng.standard_normal(shape)
+    inducing[:take] = np.asarray(features).reshape((take,) + shape[1:])
     first.inducing_inputs.assign(inducing.astype(first.inducing_inputs.dtype))
     if y is None or output is None:
         return

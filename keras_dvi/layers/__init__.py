@@ -8,6 +8,7 @@ from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.dense_dvi import DenseDVI
 from keras_dvi.layers.dense_mcvi import DenseMCVI
 from keras_dvi.layers.flatten_dvi import FlattenDVI
+from keras_dvi.layers.global_inducing_conv import GlobalInducingConv2D
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.pooling_dvi import (
@@ -23,7 +24,7 @@ from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
 from keras_dvi.layers.target_scaling import TargetScaling
 
 __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "HomoscedasticNoise",
-           "GlobalInducingDense", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
+           "GlobalInducingDense", "GlobalInducingConv2D", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "FlattenDVI", "AddDVI"]

@@ -1,0 +1,191 @@
+"""`GlobalInducingConv2D` (Ober & Aitchison 2021, Sec. 3): its posterior is Bayesian linear
+regression of the kernel on the inducing feature maps' patches, extracted here by explicit
+loops in NumPy; its draws match that posterior by Monte Carlo (means, variances, the KL);
+the inducing images and the data share each draw; networks with pooling and a residual add
+train, save, load and predict the same numbers."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_dvi as kd
+from tests.test_global_inducing import _numpy_posterior
+
+
+def _numpy_patches(x, kernel, strides, padding):
+    """`(n, out_h * out_w, kh * kw * c)` patches by loops over positions (Keras' "same": the
+    extra padding after), rows in (kh, kw, c) order."""
+    n, h, w, c = x.shape
+    outs, pads = [], []
+    for size, k, s in zip((h, w), kernel, strides):
+        out = -(-size // s) if padding == "same" else (size - k) // s + 1
+        total = max((out - 1) * s + k - size, 0) if padding == "same" else 0
+        outs.append(out)
+        pads.append((total // 2, total - total // 2))
+    xp = np.pad(x, [(0, 0), pads[0], pads[1], (0, 0)])
+    rows = np.empty((n, outs[0] * outs[1], kernel[0] * kernel[1] * c))
+    for i in range(outs[0]):
+        for j in range(outs[1]):
+            window = xp[:, i * strides[0]:i * strides[0] + kernel[0], j * strides[1]:j * strides[1] + kernel[1]]
+            rows[:, i * outs[1] + j] = window.reshape(n, -1)
+    return rows, tuple(outs)
+
+
+def _layer(shape, filters, per_unit=False, seed=0, **kwargs):
+    keras.config.set_floatx("float64")
+    layer = kd.GlobalInducingConv2D(filters, num_inducing=3, regularizer=kd.NealPrior(50), seed=seed,
+                                    precision="per_unit" if per_unit else "shared", dtype="float64", **kwargs)
+    layer.build((None,) + shape)
+    rng = np.random.default_rng(seed)
+    layer.pseudo_outputs.assign(rng.standard_normal(layer.pseudo_outputs.shape))
+    layer.scaled_log_precision.assign(rng.uniform(-0.5, 0.5, layer.scaled_log_precision.shape))
+    layer.inducing_inputs.assign(rng.standard_normal(layer.inducing_inputs.shape))
+    return layer
+
+
+def _explicit_posterior(layer, features):
+    """Sigma_w and M_w of the layer by dense inverses on explicit patches of `features`
+    `(M, h, w, c)`: one regression row per (inducing image, position)."""
+    rows, outs = _numpy_patches(features, layer.kernel_size, layer.strides, layer.padding)
+    positions = outs[0] * outs[1]
+    phi = rows.reshape(-1, rows.shape[-1])
+    if layer.use_bias:
+        phi = np.concatenate([phi, np.ones((len(phi), 1))], axis=1)
+    precision = np.exp(ops.convert_to_numpy(layer.log_precision))
+    precision = np.repeat(precision, positions, axis=0)
+    pseudo = ops.convert_to_numpy(layer.pseudo_outputs).reshape(-1, layer.filters)
+    return _numpy_posterior(phi, precision, pseudo, float(layer.fan_in))
+
+
+@pytest.mark.parametrize("per_unit, kwargs", [
+    (False, dict(kernel_size=3)),
+    (True, dict(kernel_size=3)),
+    (False, dict(kernel_size=(3, 2), strides=2, padding="valid", use_bias=False)),
+    (False, dict(kernel_size=2, strides=(2, 1), padding="same")),
+])
+def test_posterior_is_regression_on_explicit_patches(per_unit, kwargs):
+    layer = _layer((5, 6, 2), 3, per_unit=per_unit, **kwargs)
+    features = np.random.default_rng(1).standard_normal((2, 3, 5, 6, 2))  # 2 samples of M = 3 maps
+    chol, mean = layer.weight_posterior(ops.convert_to_tensor(features))
+    chol, mean = ops.convert_to_numpy(chol), ops.convert_to_numpy(mean)
+    for s in range(2):
+        covs, means = _explicit_posterior(layer, features[s])
+        np.testing.assert_allclose(mean[s], means, rtol=1e-9, atol=1e-11)
+        factors = chol[s] if per_unit else [chol[s]] * layer.filters
+        for u in range(layer.filters):
+            np.testing.assert_allclose(np.linalg.inv(factors[u] @ factors[u].T), covs[u], rtol=1e-8, atol=1e-10)
+
+
+def test_inducing_images_and_data_share_each_draw():
+    """With a linear activation the outputs are `patches @ W` for one draw `W` per sample: `W`
+    recovered by least squares from the data's outputs reproduces the inducing images'."""
+    layer = _layer((6, 6, 2), 3, kernel_size=3, num_samples=2)
+    x = np.random.default_rng(2).standard_normal((4, 6, 6, 2))
+    out = ops.convert_to_numpy(layer(x))  # (M + batch, samples, 6, 6, 3)
+    assert out.shape == (7, 2, 6, 6, 3)
+    u0 = ops.convert_to_numpy(layer.inducing_inputs)
+    data_rows = _numpy_patches(x, (3, 3), (1, 1), "same")[0].reshape(-1, 18)
+    inducing_rows = _numpy_patches(u0, (3, 3), (1, 1), "same")[0].reshape(-1, 18)
+    ones = lambda r: np.concatenate([r, np.ones((len(r), 1))], axis=1)  # noqa: E731
+    for s in range(2):
+        w, *_ = np.linalg.lstsq(ones(data_rows), out[3:, s].reshape(-1, 3), rcond=None)
+        np.testing.assert_allclose(ones(data_rows) @ w, out[3:, s].reshape(-1, 3), atol=1e-9)
+        np.testing.assert_allclose(ones(inducing_rows) @ w, out[:3, s].reshape(-1, 3), atol=1e-9)
+    assert not np.allclose(out[:, 0], out[:, 1])  # a new draw per sample
+
+
+def test_draws_and_kl_match_the_posterior_by_monte_carlo():
+    """1,000 draws: the data outputs' mean and variance at every position against the
+    explicit posterior's `phi^T M_w` and `phi^T Sigma_w phi`, the reported KL against the
+    closed-form Gaussian KL (5 standard errors; the KL's spread from NumPy draws of the same
+    posterior)."""
+    samples = 1000
+    layer = _layer((4, 4, 2), 2, kernel_size=3, num_samples=samples)
+    x = np.random.default_rng(3).standard_normal((2, 4, 4, 2))
+    out = ops.convert_to_numpy(layer(x))[3:].reshape(2, samples, 16, 2)
+    covs, means = _explicit_posterior(layer, ops.convert_to_numpy(layer.inducing_inputs))
+    rows = _numpy_patches(x, (3, 3), (1, 1), "same")[0]
+    rows = np.concatenate([rows, np.ones(rows.shape[:-1] + (1,))], axis=-1)  # (2, 16, 19)
+    expected_mean = rows @ means
+    expected_var = np.einsum("npi,ij,npj->np", rows, covs[0], rows)[..., None]
+    se = np.sqrt(expected_var / samples)
+    assert np.all(np.abs(out.mean(axis=1) - expected_mean) < 5 * se)
+    np.testing.assert_allclose(out.var(axis=1), np.broadcast_to(expected_var, out.var(axis=1).shape),
+                               rtol=5 * np.sqrt(2.0 / samples))
+    # the KL: closed form, and the spread of log q - log p over draws of the same posterior
+    p = float(layer.fan_in)
+    size, units = means.shape
+    chol = np.linalg.cholesky(covs[0])
+    rng = np.random.default_rng(4)
+    eps = rng.standard_normal((20000, size, units))
+    w = means + np.einsum("ij,sju->siu", chol, eps)
+    log_q = -0.5 * (eps ** 2).sum(axis=(1, 2)) - units * np.log(np.diag(chol)).sum() - 0.5 * size * units * np.log(2 * np.pi)
+    log_p = -0.5 * p * (w ** 2).sum(axis=(1, 2)) + 0.5 * size * units * (np.log(p) - np.log(2 * np.pi))
+    closed = 0.5 * units * (p * np.trace(covs[0]) - size - size * np.log(p) - np.linalg.slogdet(covs[0])[1]) \
+        + 0.5 * p * (means ** 2).sum()
+    assert abs((log_q - log_p).mean() - closed) < 5 * (log_q - log_p).std() / np.sqrt(20000)  # the oracle agrees
+    reported = float(ops.convert_to_numpy(layer.losses[-1])) * 50.0
+    assert abs(reported - closed) < 5 * (log_q - log_p).std() / np.sqrt(samples)
+
+
+def _network(num_train, prior=None, residual=False):
+    prior = prior or kd.NealPrior(num_train)
+    inputs = keras.Input((8, 8, 1))
+    h = kd.GlobalInducingConv2D(4, 3, "relu", num_inducing=10, num_samples=2, regularizer=prior, seed=1)(inputs)
+    h = keras.layers.TimeDistributed(keras.layers.MaxPooling2D())(h)
+    h2 = kd.GlobalInducingConv2D(4, 3, "relu", num_inducing=10, regularizer=prior, seed=2)(h)
+    if residual:
+        h2 = keras.layers.Add()([h, h2])
+    h = keras.layers.TimeDistributed(keras.layers.Flatten())(h2)
+    out = kd.GlobalInducingDense(2, num_inducing=10, regularizer=prior, output_layer=True, seed=3)(h)
+    return keras.Model(inputs, out)
+
+
+@pytest.mark.filterwarnings("ignore:The classifier")  # 12 steps: the mechanics are under test, not the fit
+@pytest.mark.parametrize("prior, residual", [(None, True), ("scale", False)])
+def test_network_trains_saves_loads_and_predicts_samples(prior, residual, tmp_path):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((48, 8, 8, 1)).astype("float32")
+    labels = (x[:, :4].mean(axis=(1, 2, 3)) > x[:, 4:].mean(axis=(1, 2, 3))).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = _network(48, kd.ScalePrior(48) if prior == "scale" else None, residual)
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SampledSoftmaxELL())
+    kd.initialize_from_data(model, x, labels, seed=0)
+    first = model.layers[1]
+    assert first.inducing_inputs.shape == (10, 8, 8, 1)
+    np.testing.assert_array_equal(np.isin(ops.convert_to_numpy(first.inducing_inputs)[:, 0, 0, 0], x[:, 0, 0, 0]), True)
+    history = model.fit(x, labels, epochs=4, batch_size=16, verbose=0).history
+    assert np.isfinite(history["loss"]).all() and history["kl"][-1] > 0
+    assert model.predict(x[:5], verbose=0).shape == (5, 2, 2)
+    samples = kd.predict_samples(model, x[:5], 6)
+    assert samples.shape == (5, 6, 2)
+    path = tmp_path / "gic.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded.layers[1], kd.GlobalInducingConv2D) and loaded.layers[1].kernel_size == (3, 3)
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
+    for m in (model, loaded):
+        kd.set_sampling_seed(m, 9)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+
+
+def test_bad_arguments_and_wiring():
+    prior = kd.NealPrior(10)
+    with pytest.raises(ValueError, match="kernel_size"):
+        kd.GlobalInducingConv2D(4, 0, num_inducing=3, regularizer=prior)
+    with pytest.raises(ValueError, match="padding"):
+        kd.GlobalInducingConv2D(4, 3, padding="causal")
+    with pytest.raises(ValueError, match="channels_last"):
+        kd.GlobalInducingConv2D(4, 3, data_format="channels_first")
+    with pytest.raises(ValueError, match="rank 4"):
+        kd.GlobalInducingConv2D(4, 3, num_inducing=3, regularizer=prior)(keras.Input((8, 8)))
+    with pytest.raises(ValueError, match="smaller than the kernel"):
+        kd.GlobalInducingConv2D(4, 5, padding="valid", num_inducing=3, regularizer=prior)(keras.Input((3, 3, 1)))
+    h = kd.GlobalInducingConv2D(4, 3, num_inducing=3, regularizer=prior)(keras.Input((6, 6, 1)))
+    h = keras.layers.TimeDistributed(keras.layers.MaxPooling2D())(h)
+    with pytest.raises(ValueError, match="num_inducing"):
+        kd.GlobalInducingConv2D(4, 3)(h)
+    out = kd.GlobalInducingConv2D(4, 3, num_inducing=3, regularizer=prior)(h)
+    assert tuple(out.shape) == (None, 1, 3, 3, 4)
