@@ -19,7 +19,8 @@ networks without gradients. The public API, by topic:
 * predictions: `predict(model, x)` (NumPy summaries), `predict_samples(model, x, num_samples)`,
   `unpack(outputs)`; module `predictive` (predictive distributions and scores);
 * Monte Carlo layers: `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`, `GlobalInducingDense`,
-  `GlobalInducingConv2D`,
+  `GlobalInducingConv2D`, `InducingInputs` and `GlobalInducingDenseDVI` (factorised-to-global
+  networks),
   `SampledHomoscedasticNoise`, losses `SampledHeteroscedasticELL`, `SampledSoftmaxELL`, priors
   `NealPrior`, `StandardPrior`, `ScalePrior`, `initialize_from_data`, `set_sampling_seed`;
 * training without gradients: `TAGIModel` (module `tagi`);
@@ -57,6 +58,8 @@ _EXPORTS = {
     "AddDVI": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
     "GlobalInducingConv2D": "keras_dvi.layers",
+    "InducingInputs": "keras_dvi.layers",
+    "GlobalInducingDenseDVI": "keras_dvi.layers",
     "SampledHomoscedasticNoise": "keras_dvi.layers",
     "SampledHeteroscedasticELL": "keras_dvi.losses",
     "SampledSoftmaxELL": "keras_dvi.losses",

@@ -7,6 +7,7 @@ import numpy as np
 
 from keras_dvi import network
 from keras_dvi.layers.global_inducing_base import GlobalInducingLayer
+from keras_dvi.layers.inducing_inputs import InducingInputs
 
 
 def global_inducing_layers(model):
@@ -15,22 +16,25 @@ def global_inducing_layers(model):
 
 
 def _first_and_output(model):
+    """`(owner, output)`: the layer holding the inducing inputs (an `InducingInputs` layer, or
+    the first global inducing layer) and the global inducing output layer (or `None`)."""
     layers = global_inducing_layers(model)
     if not layers:
-        raise ValueError("Argument `model` has no GlobalInducingDense layer.")
-    first = [layer for layer in layers if layer._is_first]
-    output = [layer for layer in layers if layer.output_layer]
-    if not first or not layers[0].built:
+        raise ValueError("Argument `model` has no GlobalInducingDense or GlobalInducingConv2D layer.")
+    owners = [layer for layer in network.layers_of(model) if isinstance(layer, InducingInputs)]
+    owners += [layer for layer in layers if layer._is_first]
+    if not owners or not layers[0].built:
         raise ValueError("Argument `model` must be built (called on data or given an Input).")
-    return first[0], (output[0] if output else None)
+    output = [layer for layer in layers if layer.output_layer]
+    return owners[0], (output[0] if output else None)
 
 
 def initialize_from_data(model, x, y=None, seed=None):
     """Sets the inducing inputs (and the output layer's pseudo-outputs) from training data.
 
-    The inducing inputs `U0` become `M` training inputs drawn without replacement (the
-    features at the first `GlobalInducingDense` layer, when deterministic layers come before
-    it); with fewer than `M` examples the remaining rows are `N(0, 1)`. The output layer's
+    The inducing inputs `U0` (of the first global inducing layer, or of an `InducingInputs`
+    layer) become `M` training inputs drawn without replacement (the features at that layer,
+    when deterministic layers come before it); with fewer than `M` examples the remaining rows are `N(0, 1)`. The output layer's
     pseudo-outputs `V` become the targets of the same examples (regression; integer labels
     are one-hot encoded), so that with `U0 = X` and `V = Y` the top layer's posterior is
     Bayesian linear regression on the propagated features (paper eq. 8).

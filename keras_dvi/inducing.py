@@ -177,6 +177,56 @@ def gaussian_kl_full(chol, mean, prior_precision):
     return 0.5 * (p * (trace + quad) - count - count * ops.log(p) - log_det_sigma)
 
 
+def linear_output_moments(chol, mean, x_mean, x_second):
+    """Mean and covariance of `f = W^T [x, 1]` for `W ~ N(M_w, Sigma_w)` (columns independent,
+    `Sigma_w = A^{-1}` shared by the output units, or one per unit) and an independent Gaussian
+    input `x ~ N(m, C)`:
+
+        E f = M_w^T m~,   Cov f = M_w^T C~ M_w + diag_u(m~^T Sigma_u m~ + tr(Sigma_u C~)),
+
+    with `m~ = [m, 1]` and `C~` `C` with a zero bias row and column (the law of total
+    covariance over `x`; `GlobalInducingDenseDVI`).
+
+    Args:
+        chol: Cholesky factor of `A`: `(P, P)` (shared) or `(U, P, P)` (per unit).
+        mean: `(P, U)` posterior mean `M_w` (bias row last).
+        x_mean: `(B, P - 1)` input means.
+        x_second: `(B, P - 1, P - 1)` input covariances, `(B, P - 1)` variances, or `None`
+            (deterministic inputs).
+
+    Returns:
+        `(mean (B, U), covariance (B, U, U))`.
+    """
+    size = mean.shape[0]
+    m = append_ones(x_mean)  # (B, P)
+    out_mean = ops.matmul(m, mean)
+    eye = ops.eye(size, dtype=mean.dtype)
+    inv_chol = ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
+    sigma = ops.matmul(_transpose(inv_chol), inv_chol)  # (P, P) or (U, P, P)
+    w = mean[:-1]  # the input rows of M_w: C~ has no bias row
+    if len(sigma.shape) == 2:
+        quad = ops.sum(ops.matmul(m, sigma) * m, axis=-1)[:, None]  # (B, 1): shared by the units
+    else:
+        quad = ops.transpose(ops.sum(ops.einsum("bi,uij->ubj", m, sigma) * m[None], axis=-1))  # (B, U)
+    if x_second is None:
+        cov = ops.zeros(ops.shape(out_mean)[:1] + (mean.shape[1], mean.shape[1]), dtype=mean.dtype)
+        trace = 0.0
+    elif len(x_second.shape) == 2:  # variances
+        cov = ops.einsum("iu,bi,iv->buv", w, x_second, w)
+        inner = sigma[:-1, :-1] if len(sigma.shape) == 2 else sigma[:, :-1, :-1]
+        diag = ops.diagonal(inner, axis1=-2, axis2=-1)  # (P - 1,) or (U, P - 1)
+        trace = ops.matmul(x_second, diag[:, None]) if len(diag.shape) == 1 else ops.matmul(x_second, ops.transpose(diag))
+    else:
+        cov = ops.matmul(ops.matmul(ops.transpose(w)[None], x_second), w[None])
+        if len(sigma.shape) == 2:
+            trace = ops.sum(x_second * sigma[None, :-1, :-1], axis=(-2, -1))[:, None]
+        else:
+            trace = ops.einsum("bij,uij->bu", x_second, sigma[:, :-1, :-1])
+    noise = quad + trace  # (B, 1) or (B, U)
+    units = mean.shape[1]
+    return out_mean, cov + ops.eye(units, dtype=mean.dtype)[None] * noise[:, :, None]
+
+
 def _transpose(matrix):
     rank = len(matrix.shape)
     return ops.transpose(matrix, tuple(range(rank - 2)) + (rank - 1, rank - 2))

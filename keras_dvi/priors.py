@@ -240,25 +240,31 @@ class EmpiricalBayesRegularizer(PriorRegularizer):
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class GaussianPriorRegularizer(PriorRegularizer):
-    """A fixed `N(0, variance)` prior on every weight (the paper's "DVI-fixed" ablation).
+    """A fixed `N(0, variance)` prior on every weight (the paper's "DVI-fixed" ablation), or
+    with `per_fan_in=True` `N(0, variance / fan_in)`: with `variance=1`, the `NealPrior` of Ober
+    & Aitchison (eq. 14) for factorised layers.
 
     Args:
         num_train: number of training examples `N` (positive integer).
         variance: prior variance (positive).
+        per_fan_in: divide `variance` by each layer's fan-in (inputs per output unit; the bias
+            has its layer's prior).
         kl_weight: weight of the KL after the warm-up (see `PriorRegularizer`).
         kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
     """
 
-    def __init__(self, num_train, variance=1.0, kl_weight=DEFAULT_KL_WEIGHT, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
+    def __init__(self, num_train, variance=1.0, per_fan_in=False, kl_weight=DEFAULT_KL_WEIGHT,
+                 kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):
         super().__init__(num_train, kl_weight=kl_weight, kl_warmup_steps=kl_warmup_steps)
         self.variance = validation.positive_number("variance", variance)
+        self.per_fan_in = bool(per_fan_in)
 
     def kl(self, mean, variance, fan_in):
-        return gaussian_kl(mean, variance, self.variance)
+        return gaussian_kl(mean, variance, self.variance / float(fan_in) if self.per_fan_in else self.variance)
 
     def get_config(self):
         config = super().get_config()
-        config["variance"] = self.variance
+        config.update({"variance": self.variance, "per_fan_in": self.per_fan_in})
         return config
 
 

@@ -60,7 +60,8 @@ def test_prior_kl_matches_monte_carlo():
     t = lambda a: keras.ops.convert_to_tensor(a)  # noqa: E731
     eb = EmpiricalBayesRegularizer(num_train=50)
     s_star = float(to_numpy(eb.optimal_prior_variance(t(mean), t(var), 4)))
-    for reg, prior_var in ((eb, s_star), (GaussianPriorRegularizer(50, 0.7), 0.7)):
+    neal = GaussianPriorRegularizer(50, per_fan_in=True)  # Ober & Aitchison's NealPrior: N(0, 1 / fan_in)
+    for reg, prior_var in ((eb, s_star), (GaussianPriorRegularizer(50, 0.7), 0.7), (neal, 1.0 / 4)):
         kl = float(to_numpy(reg.kl(t(mean), t(var), 4)))
         mc, se = _mc_kl(rng, mean, var, prior_var)
         assert abs(kl - mc) <= 5 * se

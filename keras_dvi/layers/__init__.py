@@ -10,6 +10,8 @@ from keras_dvi.layers.dense_mcvi import DenseMCVI
 from keras_dvi.layers.flatten_dvi import FlattenDVI
 from keras_dvi.layers.global_inducing_conv import GlobalInducingConv2D
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
+from keras_dvi.layers.global_inducing_dvi import GlobalInducingDenseDVI
+from keras_dvi.layers.inducing_inputs import InducingInputs
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.pooling_dvi import (
     AveragePooling1DDVI,
@@ -24,7 +26,7 @@ from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
 from keras_dvi.layers.target_scaling import TargetScaling
 
 __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI", "HomoscedasticNoise",
-           "GlobalInducingDense", "GlobalInducingConv2D", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
+           "GlobalInducingDense", "GlobalInducingConv2D", "GlobalInducingDenseDVI", "InducingInputs", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "FlattenDVI", "AddDVI"]

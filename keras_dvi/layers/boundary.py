@@ -44,6 +44,16 @@ def producer_of(tensor):
     return getattr(tensor, PRODUCER, None)
 
 
+#: The attribute of a symbolic tensor counting the inducing rows that `InducingInputs` put
+#: before its batch (so that the first layer checks `num_train` against the data rows only).
+INDUCING_ROWS = "keras_dvi_inducing_rows"
+
+
+def inducing_rows_of(tensor):
+    """The number of inducing rows before the batch of the symbolic tensor `tensor` (0 if none)."""
+    return getattr(tensor, INDUCING_ROWS, 0)
+
+
 class KerasDVILayer(keras.layers.Layer):
     """A Keras layer that reads and writes keras-dvi tensors (see the module docstring).
 
@@ -75,6 +85,7 @@ class KerasDVILayer(keras.layers.Layer):
         inputs = args[0] if args else kwargs.get("inputs")
         self._in_symbolic_graph = True
         tensors = [t for t in keras.tree.flatten(inputs) if keras.utils.is_keras_tensor(t)]
+        self.inducing_rows = max([inducing_rows_of(t) for t in tensors] + [0])
         packed = bool(tensors) and all(self.takes_packed(t.shape) for t in tensors)  # not a (mean, covariance) pair
         unstamped = [t for t in tensors if producer_of(t) is None] if packed else []
         if unstamped:

@@ -112,6 +112,14 @@ class GlobalInducingLayer(ELBOReportingLayer):
         """A later layer takes `num_inducing` and its prior (or the prior's `num_train`) from the
         global inducing layer feeding it."""
         if not isinstance(upstream, GlobalInducingLayer):
+            if getattr(upstream, "local_reparameterization", False):
+                raise ValueError(
+                    f"Layer {self.name!r} follows {upstream.name!r}, which draws pre-activations "
+                    "(`local_reparameterization=True`): each row, inducing points included, then "
+                    "sees different weights, and the inducing points no longer describe the data's "
+                    "network. Use `local_reparameterization=False` (the default) below a global "
+                    "inducing layer."
+                )
             if self.num_inducing is None:
                 raise ValueError(
                     f"Layer {self.name!r} received samples that do not come straight from a global "
@@ -176,6 +184,10 @@ class GlobalInducingLayer(ELBOReportingLayer):
                 "(later layers take it from a global inducing layer feeding them)."
             )
         self._build_shapes(data_shape)
+        self._build_variables(data_shape)
+
+    def _build_variables(self, data_shape):
+        """The layer's variables (the inducing inputs in a first layer) and its KL schedule."""
         if self._is_first:
             self.inducing_inputs = self.add_weight(
                 name="inducing_inputs",

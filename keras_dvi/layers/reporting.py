@@ -99,6 +99,8 @@ class ELBOReportingLayer(KerasDVILayer):
             return
         num_train = self._num_train()
         rows = None if inputs is None else inputs.shape[0]
+        if rows is not None:  # the data rows: without the inducing rows of `InducingInputs`
+            rows -= getattr(self, "inducing_rows", 0)
         if training and rows is not None and num_train is not None and not getattr(self, "_checked_num_train", False):
             self._checked_num_train = True
             validation.num_train_against_batch(num_train, int(rows), f"{type(self).__name__} {self.name!r}")
