@@ -386,7 +386,12 @@ class ELBOTracker(keras.metrics.Metric):
         self.warned_collapse = True
         from keras_dvi import priors
 
-        if getattr(layer.regularizer, "kl_weight", None) == priors.AUTO_KL_WEIGHT:
+        if not getattr(layer.regularizer, "accepts_auto_kl_weight", True):  # a global inducing prior
+            fixes = ("Fixes: a global inducing network leaves its prior as its precisions grow, "
+                     "so train longer (the paper's learning rate 1e-2 with the Appendix H "
+                     "`log_precision_scale`), start from data (`keras_dvi.initialize_from_data`), "
+                     "or state a tempered `kl_weight` below 1; ")
+        elif getattr(layer.regularizer, "kl_weight", None) == priors.AUTO_KL_WEIGHT:
             fixes = ("Fixes: a Bayesian last layer over plain Keras layers, fewer weights, or more "
                      "data (the KL weight is already the rule of kl_weight='auto'); ")
         else:
@@ -402,7 +407,7 @@ class ELBOTracker(keras.metrics.Metric):
             f"predicts about the same class probabilities for every input. Cause: the KL term "
             f"(weight {layer.kl_weight_after_warmup():.3g} after the warm-up) outweighs what the data "
             "can pay for, which happens with many weights per training example (small data sets, "
-            "wide networks, short runs): the mean-field posterior is pulled back to the prior. "
+            "wide networks, short runs): the posterior is pulled back to the prior. "
             + fixes + "`kl_warmup_steps=0` makes this worse (the documentation's classification "
             "guide).",
             UserWarning,

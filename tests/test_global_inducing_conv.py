@@ -189,3 +189,21 @@ def test_bad_arguments_and_wiring():
         kd.GlobalInducingConv2D(4, 3)(h)
     out = kd.GlobalInducingConv2D(4, 3, num_inducing=3, regularizer=prior)(h)
     assert tuple(out.shape) == (None, 1, 3, 3, 4)
+
+
+def test_a_collapsed_global_inducing_classifier_gets_its_own_fixes():
+    """Random labels, 12 full-batch steps: the network stays at its prior, and the warning
+    names the remedies of a global inducing network, not the closed-form priors' KL rule."""
+    import warnings
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((48, 8, 8, 1)).astype("float32")
+    labels = rng.integers(0, 2, 48)
+    model = _network(48)
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.SampledSoftmaxELL())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.fit(x, labels, epochs=12, batch_size=48, verbose=0)
+    collapsed = [str(w.message) for w in record if "collapsed to its prior" in str(w.message)]
+    assert len(collapsed) == 1 and "global inducing network" in collapsed[0]
+    assert "kl_weight='auto'" not in collapsed[0]
