@@ -22,7 +22,7 @@ networks without gradients. The public API, by topic:
   `GlobalInducingConv2D`, `InducingInputs` and `GlobalInducingDenseDVI` (factorised-to-global
   networks),
   `SampledHomoscedasticNoise`, losses `SampledHeteroscedasticELL`, `SampledSoftmaxELL`, priors
-  `NealPrior`, `StandardPrior`, `ScalePrior`, `initialize_from_data`, `set_sampling_seed`;
+  `NealPrior`, `StandardPrior`, `ScalePrior`, `SpatialIWPrior`, `initialize_from_data`, `set_sampling_seed`;
 * training without gradients: `TAGIModel` (module `tagi`);
 * `convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
   means;
@@ -66,6 +66,7 @@ _EXPORTS = {
     "NealPrior": "keras_dvi.priors",
     "StandardPrior": "keras_dvi.priors",
     "ScalePrior": "keras_dvi.priors",
+    "SpatialIWPrior": "keras_dvi.priors",
     "initialize_from_data": "keras_dvi.global_inducing",
     "predict_samples": "keras_dvi.predictive",
     "set_sampling_seed": "keras_dvi.sampling",

@@ -33,8 +33,9 @@ def precision_matrix(phi, precision, prior_precision):
     Args:
         phi: `(S, M, P)` features of the inducing points.
         precision: `(M,)` shared precisions, or `(M, U)` one column per output unit.
-        prior_precision: scalar `p` (the inverse prior variance of every weight), or `(S,)`,
-            one per sample (a `ScalePrior`'s draws).
+        prior_precision: scalar `p` (the inverse prior variance of every weight), `(S,)`,
+            one per sample (a `ScalePrior`'s draws), or `(S, P, P)`, a prior precision matrix
+            per sample (a `SpatialIWPrior`'s draws): `A = Lambda_p + Phi^T diag(lambda) Phi`.
 
     Returns:
         `(S, P, P)` for shared precisions, `(S, U, P, P)` per unit.
@@ -42,9 +43,12 @@ def precision_matrix(phi, precision, prior_precision):
     size = phi.shape[-1]
     p = ops.cast(prior_precision, phi.dtype)
     per_unit = len(precision.shape) != 1
-    if len(p.shape) == 1:  # one prior precision per sample: (S,) -> (S, 1, 1) or (S, 1, 1, 1)
-        p = ops.reshape(p, (-1, 1, 1, 1) if per_unit else (-1, 1, 1))
-    eye = ops.eye(size, dtype=phi.dtype) * p
+    if len(p.shape) == 3:  # a prior precision matrix per sample (SpatialIWPrior)
+        eye = p[:, None] if per_unit else p
+    else:
+        if len(p.shape) == 1:  # one prior precision per sample: (S,) -> (S, 1, 1) or (S, 1, 1, 1)
+            p = ops.reshape(p, (-1, 1, 1, 1) if per_unit else (-1, 1, 1))
+        eye = ops.eye(size, dtype=phi.dtype) * p
     if not per_unit:
         weighted = phi * precision[:, None]  # (S, M, P)
         return eye + ops.matmul(_transpose(weighted), phi)
@@ -149,9 +153,14 @@ def log_posterior_density(chol, noise):
 
 def log_prior_density(weights, prior_precision):
     """`log N(W | 0, I / p)` summed over the weights of a layer, per sample `(S,)` (`p` a scalar
-    or `(S,)`)."""
+    or `(S,)`); for a precision matrix per sample `(S, P, P)`, `log N(w_u | 0, Lambda_p^{-1})`
+    summed over the output units `u`."""
     p = ops.cast(prior_precision, weights.dtype)
     count = weights.shape[-2] * weights.shape[-1]
+    if len(p.shape) == 3:
+        quad = ops.sum(weights * ops.matmul(p, weights), axis=(-2, -1))
+        log_det = 2.0 * ops.sum(ops.log(ops.diagonal(ops.cholesky(p), axis1=-2, axis2=-1)), axis=-1)
+        return -0.5 * quad + 0.5 * weights.shape[-1] * log_det - 0.5 * count * _LOG_2PI
     quad = ops.sum(ops.square(weights), axis=(-2, -1))
     return -0.5 * p * quad + 0.5 * count * (ops.log(p) - _LOG_2PI)
 

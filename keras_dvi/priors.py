@@ -22,6 +22,7 @@ paper's "DVI-fixed" ablation). `ScalePriorRegularizer` is the `ScalePrior` of Ob
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_dvi import validation
@@ -414,19 +415,122 @@ class ScalePrior(WeightPrior):
         return config
 
 
+def log_multigamma(x, dims):
+    """`log Gamma_p(x)`, the multivariate log-gamma function of dimension `p = dims`."""
+    terms = [log_gamma(x - 0.5 * j) for j in range(dims)]
+    return sum(terms) + 0.25 * dims * (dims - 1) * math.log(math.pi)
+
+
+def inverse_wishart_log_density(precision_logdet, trace_psi_inverse, psi_logdet, nu, dims):
+    """`log IW(L; Psi, nu)` of a `dims`-square matrix `L` from its parts: `log det L`,
+    `tr(Psi L^{-1})` and `log det Psi` (so that a sampler holding `L^{-1}` needs no inverse):
+
+    `nu / 2 log det Psi - nu dims / 2 log 2 - log Gamma_dims(nu / 2) - (nu + dims + 1) / 2 log det L
+    - tr(Psi L^{-1}) / 2`."""
+    dtype = keras.backend.standardize_dtype(precision_logdet.dtype)
+    nu = ops.cast(nu, dtype) if hasattr(nu, "dtype") else ops.convert_to_tensor(nu, dtype=dtype)  # (a float: no float32 detour)
+    return (0.5 * nu * psi_logdet - 0.5 * nu * dims * math.log(2.0) - log_multigamma(0.5 * nu, dims)
+            - 0.5 * (nu + dims + 1.0) * precision_logdet - 0.5 * trace_psi_inverse)
+
+
+def _log_det_from_factor(chol):
+    return 2.0 * ops.sum(ops.log(ops.diagonal(chol, axis1=-2, axis2=-1)), axis=-1)
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class SpatialIWPrior(WeightPrior):
+    """The `SpatialIWPrior` of Ober & Aitchison (2021, eq. 19) for the global inducing layers:
+    spatially correlated kernels.
+
+    A kernel with `c` input channels and `k = k_h k_w` positions has the prior
+    `w ~ N(0, (I_c (x) L^{-1}) / c)` over each output channel's weights, `L` a `k`-square
+    spatial precision with prior `IW(L; (k + 1) I, k + 1)` and a learned variational posterior
+    `q(L) = IW(L; (k + 1) I + Psi, k + 1 + nu)` per layer (`Psi = T T^T`, `T` lower triangular,
+    the layer weight `spatial_tril`; `nu = exp(spatial_log_nu)`; both start where `q(L)` is
+    concentrated at `L = k I`, `NealPrior`'s precision `fan_in = c k`). The bias has the
+    `NealPrior` precision `fan_in`. Each weight sample draws its own `L` (a reparameterised
+    Bartlett decomposition), and the layer's Monte Carlo KL counts `log q(L) - log p(L)`.
+    For a dense layer `k = 1`: `L` is a learned precision scale with an inverse-gamma prior.
+
+    Args:
+        num_train, kl_weight, kl_warmup_steps: as in `WeightPrior`.
+    """
+
+    #: The global inducing layers create the variational parameters of `q(L)` for priors that set it.
+    learns_spatial_precision = True
+    #: `log nu` at the start: `q(L)` concentrated (as `ScalePrior`'s start).
+    initial_log_nu = 6.0
+
+    def prior_precision(self, fan_in):
+        """`fan_in`: the precision at the start of `q(L)` (used where no sample is drawn)."""
+        return float(fan_in)
+
+    @classmethod
+    def initial_tril(cls, dims):
+        """`T` at the start: `Psi = (dims nu - dims - 1) I`, so `E_q[L] = dims I`."""
+        nu = math.exp(cls.initial_log_nu)
+        return math.sqrt(dims * nu - dims - 1.0) * np.eye(dims)
+
+    def posterior(self, tril, log_nu):
+        """`(Psi_q, nu_q)` of `q(L)`."""
+        dims = tril.shape[-1]
+        t = ops.tril(tril)
+        psi = (dims + 1.0) * ops.eye(dims, dtype=t.dtype) + ops.matmul(t, ops.transpose(t))
+        return psi, dims + 1.0 + ops.exp(log_nu)
+
+    def sample_precision(self, tril, log_nu, channels, bias, samples, dtype, seed):
+        """`(Lambda, log p(L) - log q(L))`: the prior precision matrix of the layer's weight rows,
+        `(samples, P, P)` with rows ordered (position, channel) and the bias last, for
+        reparameterised draws `L ~ q(L)`; and the log ratio per draw, `(samples,)`.
+
+        `L^{-1} = X ~ Wishart(Psi_q^{-1}, nu_q)` by Bartlett: `X = C A A^T C^T`, `C` the
+        Cholesky factor of `Psi_q^{-1}`, `A` lower triangular with `A_ii^2 ~ Gamma((nu_q - i) / 2,
+        1 / 2)` and standard normal entries below the diagonal."""
+        tril, log_nu = ops.cast(tril, dtype), ops.cast(log_nu, dtype)
+        dims = tril.shape[-1]
+        psi, nu = self.posterior(tril, log_nu)
+        c = ops.cholesky(ops.inv(psi))
+        dof = nu - ops.arange(dims, dtype=dtype)  # (dims,)
+        chi2 = 2.0 * keras.random.gamma((samples, dims), alpha=ops.broadcast_to(0.5 * dof, (samples, dims)),
+                                        dtype=dtype, seed=seed)
+        below = ops.tril(keras.random.normal((samples, dims, dims), dtype=dtype, seed=seed), k=-1)
+        a = below + ops.eye(dims, dtype=dtype)[None] * ops.sqrt(chi2)[:, :, None]
+        factor = ops.matmul(c[None], a)  # X = factor factor^T
+        covariance = ops.matmul(factor, ops.transpose(factor, (0, 2, 1)))  # X = L^{-1}
+        precision = ops.inv(covariance)
+        logdet_precision = -_log_det_from_factor(factor)
+        prior_psi = (dims + 1.0) * ops.eye(dims, dtype=dtype)
+        log_p = inverse_wishart_log_density(
+            logdet_precision, ops.sum(covariance * prior_psi[None], axis=(-2, -1)),
+            dims * math.log(dims + 1.0), float(dims + 1), dims)
+        log_q = inverse_wishart_log_density(
+            logdet_precision, ops.sum(covariance * psi[None], axis=(-2, -1)),
+            _log_det_from_factor(ops.cholesky(psi)), nu, dims)
+        eye_c = ops.eye(channels, dtype=dtype) * float(channels)
+        kron = precision[:, :, None, :, None] * eye_c[None, None, :, None, :]  # (S, k, c, k, c)
+        size = dims * channels
+        matrix = ops.reshape(kron, (samples, size, size))
+        if bias:
+            matrix = ops.pad(matrix, ((0, 0), (0, 1), (0, 1)))
+            corner = ops.pad(ops.ones((1, 1), dtype=dtype) * float(size), ((size, 0), (size, 0)))
+            matrix = matrix + corner[None]
+        return matrix, log_p - log_q
+
+
 def get_weight_prior(identifier):
     """A `WeightPrior` from `"neal"`, `"standard"`, an instance or a serialised config."""
     if isinstance(identifier, WeightPrior):
         return identifier
-    if isinstance(identifier, str) and identifier.lower() in ("neal", "standard", "scale"):
-        return {"neal": NealPrior, "standard": StandardPrior, "scale": ScalePrior}[identifier.lower()]()
+    names = {"neal": NealPrior, "standard": StandardPrior, "scale": ScalePrior, "spatial_iw": SpatialIWPrior}
+    if isinstance(identifier, str) and identifier.lower() in names:
+        return names[identifier.lower()]()
     if isinstance(identifier, dict):
         obj = keras.saving.deserialize_keras_object(identifier)
         if isinstance(obj, WeightPrior):
             return obj
     raise ValueError(
-        "Argument `regularizer` of GlobalInducingDense must be a keras_dvi.NealPrior, "
-        f"StandardPrior or ScalePrior (e.g. `regularizer=keras_dvi.NealPrior(num_train=len(x_train))`); "
+        "Argument `regularizer` of a global inducing layer must be a keras_dvi.NealPrior, "
+        f"StandardPrior, ScalePrior or SpatialIWPrior (e.g. `regularizer=keras_dvi.NealPrior(num_train=len(x_train))`); "
         f"received {identifier!r}."
     )
 

@@ -54,6 +54,8 @@ JAX_SUITE = [
     "tests/test_global_inducing_conv.py::test_posterior_is_regression_on_explicit_patches",
     "tests/test_global_inducing_conv.py::test_draws_and_kl_match_the_posterior_by_monte_carlo",
     "tests/test_global_inducing_conv.py::test_network_trains_saves_loads_and_predicts_samples",
+    "tests/test_global_inducing_conv.py::test_spatial_iw_density_and_log_ratio_match_scipy",
+    "tests/test_global_inducing_conv.py::test_spatial_iw_network_trains_saves_and_loads",
     "tests/test_factorised_to_global.py",
     "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
     # the objective: KL schedule and weight, logs, every kind of model

@@ -212,6 +212,14 @@ class GlobalInducingLayer(ELBOReportingLayer):
             self.scale_log_alpha, self.scale_log_beta = (
                 self.add_weight(name=name, shape=(), initializer=keras.initializers.Constant(6.0), autocast=False)
                 for name in ("scale_log_alpha", "scale_log_beta"))
+        if getattr(self.regularizer, "learns_spatial_precision", False):  # SpatialIWPrior: this layer's q(L)
+            dims = self.spatial_size
+            self.spatial_tril = self.add_weight(
+                name="spatial_tril", shape=(dims, dims), autocast=False,
+                initializer=keras.initializers.Constant(self.regularizer.initial_tril(dims)))
+            self.spatial_log_nu = self.add_weight(
+                name="spatial_log_nu", shape=(), autocast=False,
+                initializer=keras.initializers.Constant(self.regularizer.initial_log_nu))
         self._build_kl_step(is_head=self._is_first)
 
     # ---------------------------------------------------------------- maths
@@ -227,6 +235,10 @@ class GlobalInducingLayer(ELBOReportingLayer):
     def log_precision(self):
         """`log lambda`, `(M,)` or `(M, units)`."""
         return self.log_precision_scale * ops.convert_to_tensor(self.scaled_log_precision)
+
+    #: Positions of a kernel (`k_h k_w` for a convolution; 1 for a dense layer): the size of a
+    #: `SpatialIWPrior`'s spatial precision.
+    spatial_size = 1
 
     @property
     def prior_precision(self):
@@ -270,7 +282,12 @@ class GlobalInducingLayer(ELBOReportingLayer):
     def sample_prior_precision(self, samples, dtype):
         """`(p, log_ratio)`: the prior precision of the weights for each of `samples` draws and
         the prior's own `log p - log q` per draw: for a `ScalePrior`, `p = s fan_in` with `s`
-        drawn from this layer's `q(s)`; else the prior's constant and 0."""
+        drawn from this layer's `q(s)`; for a `SpatialIWPrior`, a precision matrix per draw
+        `(samples, P, P)` from this layer's `q(L)`; else the prior's constant and 0."""
+        if getattr(self.regularizer, "learns_spatial_precision", False):
+            return self.regularizer.sample_precision(
+                self.spatial_tril, self.spatial_log_nu, self.fan_in // self.spatial_size,
+                self.weight_rows > self.fan_in, samples, dtype, self.seed_generator)
         if not getattr(self.regularizer, "learns_scale", False):
             return self.prior_precision, 0.0
         scale, log_ratio = self.regularizer.sample_scale(

@@ -96,6 +96,10 @@ class GlobalInducingConv2D(GlobalInducingLayer):
         super().__init__(filters, activation=activation, **kwargs)
 
     @property
+    def spatial_size(self):
+        return math.prod(self.kernel_size)
+
+    @property
     def filters(self):
         return self.units
 

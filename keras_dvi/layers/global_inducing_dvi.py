@@ -76,10 +76,10 @@ class GlobalInducingDenseDVI(GlobalInducingLayer):
                                  f"must be None; received {value!r}.")
         super().__init__(units, num_inducing=num_inducing, output_layer=True, precision=precision,
                          initial_log_precision=initial_log_precision, regularizer=regularizer, **kwargs)
-        if getattr(self.regularizer, "learns_scale", False):
+        if getattr(self.regularizer, "learns_scale", False) or getattr(self.regularizer, "learns_spatial_precision", False):
             raise ValueError(
                 "GlobalInducingDenseDVI computes its KL in closed form: argument `regularizer` must be "
-                "a keras_dvi.NealPrior or StandardPrior (a ScalePrior needs weight draws: use "
+                "a keras_dvi.NealPrior or StandardPrior (ScalePrior and SpatialIWPrior need weight draws: use "
                 "GlobalInducingDense over sampled layers)."
             )
 
