@@ -16,6 +16,9 @@ Protocol (fixed before any result was seen, the same for every method):
   averaged), `ivon` (the plain network's weights under a mean-field Gaussian posterior trained
   by IVON, Shen et al. 2024, `lambda = N`: `ivon.py`; `--ivon-lr`, `--ivon-hess-init`), and keras-dvi with its defaults: `dvi` (`DenseDiagDVI` body, `DenseDVI` head),
   `ddvi` (diagonal throughout), `mcvi` (`DenseMCVI`, 10 samples per step, 100 at test time).
+  `gi` (added with the global inducing layers): `GlobalInducingDense` layers of the same shape,
+  `--gi-inducing` inducing points (100) from the training rows and labels, `NealPrior`, the
+  ELBO (KL weight 1, no warm-up: the paper's objective), 10 samples per step, 100 at test time.
   Convolutional networks (the check that the conv layers' defaults carry over to small images
   and signals; the MNIST benchmark's shape, "same" padding): `cnn` / `cnn_dvi` read the digits as
   8x8 images, `cnn1d` / `cnn1d_dvi` as 64-step signals (rows one after the other): conv 32 (3)
@@ -65,7 +68,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-METHODS = ("mlp", "dropout", "ensemble", "ivon", "dvi", "ddvi", "mcvi", "cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
+METHODS = ("mlp", "dropout", "ensemble", "ivon", "dvi", "ddvi", "mcvi", "gi", "cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
 KERAS_DVI_METHODS = ("dvi", "ddvi", "mcvi", "cnn_dvi", "cnn1d_dvi")
 #: The convolutional networks (issue 25's "same defaults on other image or signal data"): the
 #: digits as 8x8 images (`cnn`, `cnn_dvi`) or as 64-step signals, the image read row by row
@@ -333,6 +336,27 @@ def train(method, x, y, classes, seed, args):
 
         predict.all = lambda inputs: {"default": predict(inputs)}
         return predict, seconds
+    if method == "gi":
+        hidden = _hidden(args)
+        prior = kd.NealPrior(len(x))
+        layers = [keras.Input((x.shape[1],)),
+                  kd.GlobalInducingDense(hidden[0], "relu", num_inducing=args.gi_inducing, num_samples=10,
+                                         regularizer=prior)]
+        layers += [kd.GlobalInducingDense(width, "relu") for width in hidden[1:]]
+        layers.append(kd.GlobalInducingDense(classes, output_layer=True))
+        model = keras.Sequential(layers)
+        model.compile(keras.optimizers.Adam(LEARNING_RATE), loss=kd.SampledSoftmaxELL())
+        kd.initialize_from_data(model, x, y, seed=seed)
+        model.fit(x, y, epochs=_epochs(args), batch_size=BATCH, verbose=0)
+        seconds = time.time() - start
+
+        def predict(inputs):
+            samples = kd.predict_samples(model, inputs, MCVI_TEST_SAMPLES)
+            return np.asarray(kd.predictive.sampled_class_probabilities(samples))
+
+        predict.all = lambda inputs: {"default": predict(inputs)}
+        predict.model = model
+        return predict, seconds
     model = keras_dvi_network(method, len(x), classes, args, x.shape[1])
     if getattr(args, "init", None) == "plain":  # MOPED: the means of a trained plain network
         plain = plain_network(classes, 0.0, x.shape[1], _hidden(args))
@@ -431,6 +455,8 @@ def recipe_label(method, args):
         for name in ("ivon_lr", "ivon_hess_init", "ivon_prior_variance", "ivon_beta2"):
             if getattr(args, name, None) is not None:
                 parts.append(f"{name.replace('ivon_', '')}={getattr(args, name)}")
+    if method == "gi" and getattr(args, "gi_inducing", 100) != 100:
+        parts.append(f"inducing={args.gi_inducing}")
     if getattr(args, "hidden", None) and tuple(args.hidden) != HIDDEN:
         parts.append("hidden=" + "x".join(str(w) for w in args.hidden))
     if getattr(args, "epochs", None) and args.epochs != EPOCHS:
@@ -527,6 +553,7 @@ def make_parser():
     parser.add_argument("--ivon-prior-variance", type=float, default=None,
                         help="ivon: variance of the fixed Gaussian prior, delta = 1 / (N variance) (default 1)")
     parser.add_argument("--ivon-beta2", type=float, default=None, help="ivon: Hessian momentum (default 0.99999)")
+    parser.add_argument("--gi-inducing", type=int, default=100, help="gi: inducing points (default 100)")
     parser.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden widths (default: 100 100)")
     parser.add_argument("--epochs", type=int, default=None, help=f"training epochs (default: {EPOCHS})")
     parser.add_argument("--summary-only", action="store_true")

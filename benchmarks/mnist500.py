@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cache import cached  # noqa: E402
 from images import load_mnist  # noqa: E402
 
 METHODS = ["dvi-neal", "dvi-scale", "mcvi-neal", "mcvi-scale", "gi-neal", "gi-scale", "dvi-defaults"]
@@ -156,12 +157,7 @@ def run_one(method, seed, args):
 
 def _worker(task):
     method, seed, args, path = task
-    record = run_one(method, seed, args)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
-    return record
+    return cached(path, lambda: run_one(method, seed, args))
 
 
 def summary_markdown(records):

@@ -4,11 +4,11 @@ import keras
 from keras import ops
 
 from keras_dvi import inducing, packing, sampling
-from keras_dvi.layers.global_inducing_base import GlobalInducingLayer
+from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class GlobalInducingDenseDVI(GlobalInducingLayer):
+class GlobalInducingDenseDVI(GlobalInducingDense):
     """Linear output layer with a global inducing point posterior over a DVI body, in closed form.
 
     The top of a DVI-to-global network: `keras_dvi.InducingInputs` puts `M` learned inducing
@@ -108,14 +108,6 @@ class GlobalInducingDenseDVI(GlobalInducingLayer):
         self._build_shapes((features,))
         self._build_variables((features,))
         self._set_head(kind == packing.DETERMINISTIC)
-
-    def _build_shapes(self, data_shape):
-        self.fan_in = int(data_shape[-1])
-        self.weight_rows = self.fan_in + 1
-        self.pseudo_output_shape = (self.units,)
-
-    def regression_rows(self, inducing_features, precision, pseudo_outputs):
-        return inducing.append_ones(inducing_features), precision, pseudo_outputs
 
     def call(self, inputs, training=None):
         if sampling.current_context() is not None:
