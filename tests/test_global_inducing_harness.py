@@ -1,0 +1,53 @@
+"""The global inducing benchmark harnesses: `benchmarks/uci.py --methods facgi dvigi`,
+`benchmarks/mnist500.py` (Appendix N) and `benchmarks/gi_resnet.py`, at tiny sizes."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from benchmarks import gi_resnet, mnist500, uci
+from tests.test_uci_harness import folder  # noqa: F401  (the tiny UCI-layout fixture)
+
+
+def test_uci_factorised_to_global_methods_run_and_cache_apart(folder, tmp_path):  # noqa: F811
+    results = str(tmp_path / "results")
+    args = ["--data", folder, "--methods", "facgi", "dvigi", "--splits", "0", "--results", results, "--jobs", "1",
+            "--gi-steps", "2", "--inducing", "5"]
+    summary = uci.main(args)
+    assert {s["method"] for s in summary} == {"facgi", "dvigi"} and all(np.isfinite(s["test_ll"]) for s in summary)
+    name = os.path.basename(folder)
+    with open(os.path.join(results, name, "facgi", "split_0.json")) as f:
+        assert json.load(f)["prior"] == "neal"
+    uci.main(args[:3] + ["facgi"] + args[5:] + ["--gi-prior", "scale"])
+    assert os.path.exists(os.path.join(results, name, "facgi_scale", "split_0.json"))
+    with pytest.raises(SystemExit, match="neal only"):
+        uci.main(args[:3] + ["dvigi"] + args[5:] + ["--gi-prior", "scale"])
+
+
+@pytest.mark.parametrize("method", mnist500.METHODS)
+def test_mnist500_networks_build_with_the_papers_shape(method):
+    """Every method is the paper's LeNet-style network: three 64-channel 3x3 convolutions, two
+    max pools, a linear layer on the 7x7x64 maps; predictions have the method's layout."""
+    model = mnist500.build(method, 500, inducing=4, samples=1)
+    x = np.random.default_rng(0).standard_normal((3, 28, 28, 1)).astype("float32")
+    out = model.predict(x, verbose=0)
+    assert out.shape == ((3, 1, 10) if method.split("-")[0] in ("gi", "mcvi") else (3, 11, 10))
+    kernels = [w for w in model.weights if len(w.shape) == 4 and w.shape[:2] == (3, 3)]
+    if method.startswith(("dvi", "mcvi")):
+        assert [tuple(w.shape[2:]) for w in kernels][::2] == [(1, 64), (64, 64), (64, 64)]  # (means; variances)
+
+
+def test_mnist500_summary_names_the_baseline():
+    record = {"method": "gi-scale", "seed": 0, "seconds_per_step": 2.0, "final": {"test_ll": -2.1, "accuracy": 0.3},
+              "curve": [{"step": 50, "elbo": -3.0, "test_ll": -2.2, "accuracy": 0.2},
+                        {"step": 100, "elbo": -2.5, "test_ll": -2.1, "accuracy": 0.3}]}
+    text = mnist500.summary_markdown([record])
+    assert "| gi-scale | 0 | -2.500 | -2.100 | 0.300 | -2.100 (100) | 2.00 |" in text and "-2.303" in text
+
+
+def test_resnet_step_timing_runs_for_every_network(capsys):
+    gi_resnet.main(["--batch", "4", "--inducing", "4", "--steps", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "s / step" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["plain", "mcvi", "gi"]
