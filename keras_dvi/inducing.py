@@ -172,13 +172,11 @@ def gaussian_kl_full(chol, mean, prior_precision):
     """
     p = ops.cast(prior_precision, mean.dtype)
     size, units = mean.shape[-2], mean.shape[-1]
-    eye = ops.eye(size, dtype=mean.dtype)
+    inv_chol = _inverse_factor(chol)
     if len(chol.shape) == 3:
-        inv_chol = ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
         trace = units * ops.sum(ops.square(inv_chol), axis=(-2, -1))
         log_det_sigma = -2.0 * units * ops.sum(ops.log(ops.diagonal(chol, axis1=-2, axis2=-1)), axis=-1)
     else:
-        inv_chol = ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
         trace = ops.sum(ops.square(inv_chol), axis=(-3, -2, -1))
         log_det_sigma = -2.0 * ops.sum(ops.log(ops.diagonal(chol, axis1=-2, axis2=-1)), axis=(-2, -1))
     quad = ops.sum(ops.square(mean), axis=(-2, -1))
@@ -206,11 +204,9 @@ def linear_output_moments(chol, mean, x_mean, x_second):
     Returns:
         `(mean (B, U), covariance (B, U, U))`.
     """
-    size = mean.shape[0]
     m = append_ones(x_mean)  # (B, P)
     out_mean = ops.matmul(m, mean)
-    eye = ops.eye(size, dtype=mean.dtype)
-    inv_chol = ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
+    inv_chol = _inverse_factor(chol)
     sigma = ops.matmul(_transpose(inv_chol), inv_chol)  # (P, P) or (U, P, P)
     w = mean[:-1]  # the input rows of M_w: C~ has no bias row
     if len(sigma.shape) == 2:
@@ -234,6 +230,12 @@ def linear_output_moments(chol, mean, x_mean, x_second):
     noise = quad + trace  # (B, 1) or (B, U)
     units = mean.shape[1]
     return out_mean, cov + ops.eye(units, dtype=mean.dtype)[None] * noise[:, :, None]
+
+
+def _inverse_factor(chol):
+    """`L^{-1}` of lower triangular factors `L` (any leading axes)."""
+    eye = ops.eye(chol.shape[-1], dtype=chol.dtype)
+    return ops.solve_triangular(chol, ops.broadcast_to(eye, ops.shape(chol)), lower=True)
 
 
 def _transpose(matrix):

@@ -505,7 +505,7 @@ class SpatialIWPrior(WeightPrior):
             dims * math.log(dims + 1.0), float(dims + 1), dims)
         log_q = inverse_wishart_log_density(
             logdet_precision, ops.sum(covariance * psi[None], axis=(-2, -1)),
-            _log_det_from_factor(ops.cholesky(psi)), nu, dims)
+            -_log_det_from_factor(c), nu, dims)  # log det Psi = -log det Psi^{-1}
         eye_c = ops.eye(channels, dtype=dtype) * float(channels)
         kron = precision[:, :, None, :, None] * eye_c[None, None, :, None, :]  # (S, k, c, k, c)
         size = dims * channels

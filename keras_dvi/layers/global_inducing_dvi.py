@@ -36,7 +36,7 @@ class GlobalInducingDenseDVI(GlobalInducingDense):
         num_inducing: the `M` of the `InducingInputs` layer below (required).
         regularizer: `keras_dvi.NealPrior(num_train=N)` or `keras_dvi.StandardPrior(...)`,
             with `kl_weight` and `kl_warmup_steps` (the KL is in closed form; `ScalePrior`
-            needs weight draws and is refused).
+            and `SpatialIWPrior` need weight draws and are refused).
         precision: `"shared"` (default) or `"per_unit"`, as in `GlobalInducingDense`.
         initial_log_precision: starting `log lambda` (default 0, the output layer's start).
         log_precision_scale, pseudo_output_initializer, validate: as in `GlobalInducingDense`.
