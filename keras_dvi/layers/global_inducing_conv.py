@@ -6,14 +6,8 @@ import keras
 from keras import ops
 
 from keras_dvi import conv_moments, inducing
-from keras_dvi.layers.global_inducing_base import GlobalInducingLayer, positive_int
-
-
-def _pair(name, value):
-    values = (value, value) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
-    if len(values) != 2:
-        raise ValueError(f"Argument `{name}` must be an integer or a tuple of 2 integers; received {value!r}.")
-    return tuple(positive_int(name, v) for v in values)
+from keras_dvi.layers import feature_map
+from keras_dvi.layers.global_inducing_base import GlobalInducingLayer
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -82,12 +76,9 @@ class GlobalInducingConv2D(GlobalInducingLayer):
 
     def __init__(self, filters, kernel_size, activation=None, strides=1, padding="same", use_bias=True,
                  **kwargs):
-        self.kernel_size = _pair("kernel_size", kernel_size)
-        self.strides = _pair("strides", strides)
-        padding = str(padding).lower()
-        if padding not in ("same", "valid"):
-            raise ValueError(f"Argument `padding` must be 'same' or 'valid'; received {padding!r}.")
-        self.padding = padding
+        self.kernel_size = feature_map.integers("kernel_size", kernel_size, 2)
+        self.strides = feature_map.integers("strides", strides, 2)
+        self.padding = feature_map.padding(padding)
         self.use_bias = bool(use_bias)
         if kwargs.get("data_format", "channels_last") != "channels_last":
             raise ValueError("GlobalInducingConv2D supports `data_format='channels_last'` only; "
