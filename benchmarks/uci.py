@@ -66,12 +66,13 @@ BATCH = 32
 def cache_label(method, gi_precision="shared", tagi_forward="linearized", gi_prior="neal"):
     """The cache folder (`<results>/<data set>/<label>/`) of a method's splits. Per-unit
     global inducing results are cached apart from the shared-precision ones, and `ScalePrior`
-    ones apart from `NealPrior` ones; TAGI with exact moments apart from the linearised one."""
+    and `StandardPrior` ones apart from `NealPrior` ones; TAGI with exact moments apart from the
+    linearised one."""
     if method == "tagi" and tagi_forward == "moments":
         return "tagi_moments"
     if method not in GI_METHODS:
         return method
-    return method + ("_per_unit" if gi_precision == "per_unit" else "") + ("_scale" if gi_prior == "scale" else "")
+    return method + ("_per_unit" if gi_precision == "per_unit" else "") + ("" if gi_prior == "neal" else "_" + gi_prior)
 
 
 #: Summary files and the cache folders each one covers.
@@ -79,6 +80,8 @@ SUMMARIES = {"summary": tuple(cache_label(m) for m in METHODS),
              "summary_gi_per_unit": (cache_label("gi", "per_unit"),),
              "summary_gi_scale": (cache_label("gi", gi_prior="scale"), cache_label("gi", "per_unit", gi_prior="scale"),
                                   cache_label("facgi", gi_prior="scale")),
+             "summary_gi_standard": tuple(cache_label(m, p, gi_prior="standard") for m in GI_METHODS
+                                          for p in ("shared", "per_unit")),
              "summary_tagi_moments": (cache_label("tagi", tagi_forward="moments"),)}
 
 #: Published test log-likelihoods: Wu et al. 2019 Table 2 (DVI, dDVI, MCVI, hoDVI) and
@@ -174,15 +177,18 @@ def build(method, input_dim, num_train, args):
 
     import keras_dvi as kd
 
+    GI_PRIORS = {"neal": kd.NealPrior, "standard": kd.StandardPrior, "scale": kd.ScalePrior}
+
     if method in ("facgi", "dvigi"):
-        scale = getattr(args, "gi_prior", "neal") == "scale"
-        if scale and method == "dvigi":
-            raise SystemExit("dvigi's head computes its KL in closed form: --gi-prior neal only.")
-        elbo = dict(kl_weight=1.0, kl_warmup_steps=0)
-        body_prior = (kd.ScalePriorRegularizer(num_train, **elbo) if scale
-                      else kd.GaussianPriorRegularizer(num_train, per_fan_in=True, **elbo))
+        prior = getattr(args, "gi_prior", "neal")
+        if prior == "scale" and method == "dvigi":
+            raise SystemExit("dvigi's head computes its KL in closed form: --gi-prior neal or standard.")
+        elbo = dict(kl_weight=1.0, kl_warmup_steps=kl_warmup_steps(method, args))
+        # The factorised body under the head's prior: N(0, 1 / fan_in), N(0, 1) or a learned scale.
+        body_prior = (kd.ScalePriorRegularizer(num_train, **elbo) if prior == "scale"
+                      else kd.GaussianPriorRegularizer(num_train, per_fan_in=prior == "neal", **elbo))
         head = dict(num_inducing=args.inducing, precision=args.gi_precision,
-                    regularizer=(kd.ScalePrior if scale else kd.NealPrior)(num_train=num_train))
+                    regularizer=GI_PRIORS[prior](num_train=num_train, **elbo))
         layers = [keras.Input((input_dim,)), kd.InducingInputs(args.inducing)]
         if method == "facgi":
             layers += [kd.DenseMCVI(50, "relu", num_samples=10, regularizer=body_prior),
@@ -202,8 +208,8 @@ def build(method, input_dim, num_train, args):
             keras.Input((input_dim,)),
             kd.GlobalInducingDense(50, "relu", num_inducing=args.inducing, num_samples=10,
                                    precision=args.gi_precision,
-                                   regularizer=(kd.ScalePrior if getattr(args, "gi_prior", "neal") == "scale"
-                                                else kd.NealPrior)(num_train=num_train)),
+                                   regularizer=GI_PRIORS[getattr(args, "gi_prior", "neal")](
+                                       num_train=num_train, kl_warmup_steps=kl_warmup_steps(method, args))),
             kd.GlobalInducingDense(50, "relu", precision=args.gi_precision),
             kd.GlobalInducingDense(1, output_layer=True, precision=args.gi_precision),
             kd.SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0),
@@ -418,8 +424,11 @@ def run_tagi(folder, split, data, args):
 
 def kl_warmup_steps(method, args):
     """Length of the KL ramp: `--kl-warmup`, default half the run (`--recipe fixed`) or the
-    prior's default (`--recipe defaults`, `None`); none for `gi` and `tagi`."""
-    if method in GI_METHODS + ("tagi",):
+    prior's default (`--recipe defaults`, `None`); `--gi-kl-warmup` (default none) for the
+    global inducing methods; none for `tagi`."""
+    if method in GI_METHODS:
+        return getattr(args, "gi_kl_warmup", 0)
+    if method == "tagi":
         return 0
     if args.recipe == "defaults" and args.kl_warmup is None:
         return None
@@ -585,10 +594,15 @@ def make_parser():
     parser.add_argument("--gi-steps", type=int, default=3000)
     parser.add_argument("--gi-batch", type=int, default=1000, help="gi batch size (full batch up to this)")
     parser.add_argument("--gi-lr", type=float, default=1e-2)
+    parser.add_argument("--gi-kl-warmup", type=int, default=0,
+                        help="gi, facgi, dvigi: KL ramp 0 -> 1 over this many updates (default 0: the ELBO "
+                             "throughout; cached results must match, so use another --results)")
     parser.add_argument("--gi-precision", choices=("shared", "per_unit"), default="shared",
                         help="GlobalInducingDense precision (per_unit: App. K, about 5x slower)")
-    parser.add_argument("--gi-prior", choices=("neal", "scale"), default="neal",
-                        help="gi: NealPrior, or ScalePrior (Ober & Aitchison eqs. 16-18; cached as gi_scale)")
+    parser.add_argument("--gi-prior", choices=("neal", "scale", "standard"), default="neal",
+                        help="gi, facgi, dvigi: NealPrior, ScalePrior (Ober & Aitchison eqs. 16-18; cached as "
+                             "<method>_scale) or StandardPrior (N(0, 1); cached as <method>_standard), the "
+                             "factorised body of facgi / dvigi under the same prior")
     parser.add_argument("--tagi-forward", choices=("linearized", "moments"), default="linearized",
                         help="tagi: TAGIModel's forward (the paper's linearised activations, or exact moments)")
     parser.add_argument("--tagi-noise-search", choices=("refine", "grid"), default="refine",

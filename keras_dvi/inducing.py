@@ -16,6 +16,8 @@ A sample is `W = M_w + L^{-T} eps` with `A = L L^T` and `eps ~ N(0, I)`, so that
 
 import math
 
+import keras
+import numpy as np
 from keras import ops
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -27,8 +29,21 @@ def append_ones(features):
     return ops.concatenate([features, ones], axis=-1)
 
 
+#: The jitter added to `A`, in units of its trace times the machine epsilon (`precision_matrix`).
+JITTER_EPS_TRACE = 4.0
+
+
 def precision_matrix(phi, precision, prior_precision):
-    """`A = p I + Phi^T diag(lambda) Phi`.
+    """`A = p I + Phi^T diag(lambda) Phi`, plus `4 eps tr(A) I` (`eps` the dtype's machine
+    epsilon).
+
+    The jitter is the round-off of the Gram matrix itself: in float32 the product
+    `Phi^T diag(lambda) Phi` is only known to about `eps` times its largest eigenvalue
+    (`<= tr(A)`), so where large precisions meet a small (learned) prior precision `p` and
+    directions the inducing features do not span, `A` can come out indefinite and its Cholesky
+    factor NaN. The jitter lifts those directions above the round-off; the data-determined ones
+    (eigenvalues near `tr(A)`) move by a relative `4 eps`. Every quantity of the posterior (its
+    draws, density and KL) uses the same jittered `A`, so the ELBO stays a bound.
 
     Args:
         phi: `(S, M, P)` features of the inducing points.
@@ -51,10 +66,18 @@ def precision_matrix(phi, precision, prior_precision):
         eye = ops.eye(size, dtype=phi.dtype) * p
     if not per_unit:
         weighted = phi * precision[:, None]  # (S, M, P)
-        return eye + ops.matmul(_transpose(weighted), phi)
+        return _add_jitter(eye + ops.matmul(_transpose(weighted), phi))
     # (S, U, M, P): batched products are twice as fast as a three-operand einsum on CPU.
     weighted = phi[:, None] * ops.transpose(precision)[None, :, :, None]
-    return eye + ops.matmul(_transpose(weighted), phi[:, None])
+    return _add_jitter(eye + ops.matmul(_transpose(weighted), phi[:, None]))
+
+
+def _add_jitter(matrix):
+    """`A + 4 eps tr(A) I` for a batch of square matrices (see `precision_matrix`)."""
+    eps = float(np.finfo(keras.backend.standardize_dtype(matrix.dtype)).eps)
+    trace = ops.sum(ops.diagonal(matrix, axis1=-2, axis2=-1), axis=-1)
+    eye = ops.eye(matrix.shape[-1], dtype=matrix.dtype)
+    return matrix + (JITTER_EPS_TRACE * eps) * trace[..., None, None] * eye
 
 
 def _factor_and_half_mean(phi, precision, pseudo_outputs, prior_precision):

@@ -40,11 +40,11 @@ def test_mnist500_networks_build_with_the_papers_shape(method):
 
 
 def test_mnist500_summary_names_the_baseline():
-    record = {"method": "gi-scale", "seed": 0, "seconds_per_step": 2.0, "final": {"test_ll": -2.1, "accuracy": 0.3},
+    record = {"method": "gi-scale", "seed": 0, "steps": 100, "lr": 0.01, "seconds_per_step": 2.0, "final": {"test_ll": -2.1, "accuracy": 0.3},
               "curve": [{"step": 50, "elbo": -3.0, "test_ll": -2.2, "accuracy": 0.2},
                         {"step": 100, "elbo": -2.5, "test_ll": -2.1, "accuracy": 0.3}]}
     text = mnist500.summary_markdown([record])
-    assert "| gi-scale | 0 | -2.500 | -2.100 | 0.300 | -2.100 (100) | 2.00 |" in text and "-2.303" in text
+    assert "| gi-scale | 0.01 | 100 | 0 | -2.500 | -2.100 | 0.300 | -2.100 (100) | 2.00 |" in text and "-2.303" in text
 
 
 def test_resnet_step_timing_runs_for_every_network(capsys):
