@@ -94,6 +94,70 @@ PUBLISHED = {
     "wine": {"dvi": -0.90, "ddvi": -0.91, "mcvi": -0.92, "hodvi": -0.96, "gi": -0.96, "facgi": -0.96},
     "yacht": {"dvi": -0.47, "ddvi": -0.47, "mcvi": -0.68, "hodvi": -1.41, "gi": -0.68, "facgi": -1.04},
 }
+#: Ober & Aitchison 2021, Appendix P (Table 5): test log-likelihood and standard error of
+#: 2 x 50 BNNs, global inducing (`gi`) and factorised to global (`facgi`), under each prior.
+APPENDIX_P = {
+    ("gi", "standard"): {"boston": (-2.59, 0.03), "energy": (-0.73, 0.03), "kin8nm": (1.22, 0.01),
+                         "power": (-2.80, 0.01), "wine": (-0.96, 0.01), "yacht": (-0.68, 0.03)},
+    ("gi", "neal"): {"boston": (-2.55, 0.05), "energy": (-0.72, 0.02), "kin8nm": (1.18, 0.01),
+                     "power": (-2.82, 0.01), "wine": (-0.97, 0.01), "yacht": (-0.81, 0.03)},
+    ("gi", "scale"): {"boston": (-2.50, 0.04), "energy": (-0.73, 0.02), "kin8nm": (1.19, 0.01),
+                      "power": (-2.82, 0.01), "wine": (-0.96, 0.01), "yacht": (-0.79, 0.02)},
+    ("facgi", "standard"): {"boston": (-2.60, 0.02), "energy": (-0.68, 0.03), "kin8nm": (1.28, 0.01),
+                            "power": (-2.79, 0.01), "wine": (-0.96, 0.01), "yacht": (-1.12, 0.02)},
+    ("facgi", "neal"): {"boston": (-2.63, 0.05), "energy": (-0.70, 0.02), "kin8nm": (1.29, 0.01),
+                        "power": (-2.81, 0.01), "wine": (-0.96, 0.01), "yacht": (-1.04, 0.01)},
+    ("facgi", "scale"): {"boston": (-2.61, 0.04), "energy": (-0.74, 0.02), "kin8nm": (1.29, 0.00),
+                         "power": (-2.81, 0.01), "wine": (-0.96, 0.01), "yacht": (-0.97, 0.05)},
+}
+PRIOR_NAMES = {"standard": "N(0, 1)", "neal": "NealPrior", "scale": "ScalePrior"}
+
+
+def appendix_p_markdown(results):
+    """Appendix P's Table 5 against the shared-precision runs cached in `results`: one row per
+    data set, a column per method and prior, `ours ± se (paper ± se)`, bold where ours reaches
+    the paper's figure minus our standard error; then the best of three priors of each (the
+    paper's bold cells), for comparison only (chosen on test scores, as in the paper).
+    `None` when no global inducing run is cached."""
+    cells = {}
+    for method, prior in APPENDIX_P:
+        folder = cache_label(method, gi_prior=prior)
+        records = []
+        for path in sorted(glob.glob(os.path.join(results, "*", folder, "split_*.json"))):
+            with open(path) as f:
+                records.append(json.load(f))
+        for row in summarise(records, [method]):
+            if row["dataset"] in APPENDIX_P[method, prior]:  # the paper's data sets only
+                cells[row["dataset"], method, prior] = row
+    if not cells:
+        return None
+    datasets = sorted({d for d, _, _ in cells})
+    header = [f"{m}, {PRIOR_NAMES[p]}" for m, p in APPENDIX_P] + ["gi, best of three", "facgi, best of three"]
+    lines = ["| data | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for dataset in datasets:
+        row = []
+        for method, prior in APPENDIX_P:
+            paper, paper_se = APPENDIX_P[method, prior][dataset]
+            s = cells.get((dataset, method, prior))
+            if s is None:
+                row.append(f"not run ({paper:.2f} ± {paper_se:.2f})")
+                continue
+            se = 0.0 if math.isnan(s["test_ll_se"]) else s["test_ll_se"]
+            text = f"{s['test_ll']:.2f} ± {se:.2f}"
+            text = f"**{text}**" if s["test_ll"] >= paper - se else text
+            count = "" if s["splits"] == 20 else f" [{s['splits']} splits]"
+            row.append(f"{text} ({paper:.2f} ± {paper_se:.2f}){count}")
+        for method in ("gi", "facgi"):
+            ours = [(cells[dataset, method, p]["test_ll"], p) for m, p in APPENDIX_P
+                    if m == method and (dataset, method, p) in cells]
+            paper = max((APPENDIX_P[method, p][dataset][0], p) for m, p in APPENDIX_P if m == method)
+            best = max(ours) if ours else None
+            row.append(("not run" if best is None else f"{best[0]:.2f} ({PRIOR_NAMES[best[1]]})")
+                       + f" ({paper[0]:.2f}, {PRIOR_NAMES[paper[1]]})")
+        lines.append(f"| {dataset} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 #: TAGI's Table 1 (Goulet et al. 2021): test log-likelihood and RMSE with their standard deviations.
 for _name, _ll in {"boston": -2.58, "energy": -1.81, "kin8nm": 0.88, "power": -2.83, "wine": -0.96,
                    "yacht": -1.49}.items():
@@ -694,6 +758,12 @@ def write_summaries(results):
         with open(os.path.join(results, name + ".json"), "w") as f:
             json.dump(summary, f, indent=1)
         written.append(os.path.join(results, name + ".md"))
+    table = appendix_p_markdown(results)
+    if table is not None:
+        with open(os.path.join(results, "appendix_p.md"), "w") as f:
+            f.write("Ober & Aitchison Appendix P (Table 5), shared precisions: ours ± se (paper ± se); bold: at "
+                    "least the paper's figure minus our standard error.\n\n" + table + "\n")
+        written.append(os.path.join(results, "appendix_p.md"))
     return written
 
 
