@@ -1,0 +1,60 @@
+"""What Appendix P's own recipe would cost here: the time of one training step of the paper's
+UCI network (2 x 50 `GlobalInducingDense`, `NealPrior`, 10 weight draws) with per-unit
+precisions and every training row an inducing point (the paper's batches of 10,000 rows cap
+at the data set, so `M = N`), against the recipe of BENCHMARKS.md (shared precisions, 100
+inducing points). The paper trains 10,000 steps; the script prints the step time and what
+10,000 steps and 20 splits take.
+
+    python benchmarks/experiments/gi_paper_recipe_cost.py --data ../shared/uci/yacht ../shared/uci/power
+
+Full batches (every training row in every step, as the paper's 10,000-row batches are for
+these sets); the first `--warmup` steps (tracing) are not timed.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import uci  # noqa: E402
+
+
+def step_seconds(folder, precision, inducing, steps, warmup):
+    import keras
+
+    import keras_dvi as kd
+
+    data = uci.normalise(*uci.load_split(folder, 0, False))
+    n = len(data["x"])
+    args = uci.make_parser().parse_args(["--gi-precision", precision, "--inducing", str(min(inducing, n)),
+                                         "--steps-per-execution", "1"])
+    keras.utils.set_random_seed(0)
+    model = uci.build("gi", data["x"].shape[1], n, args)
+    kd.initialize_from_data(model, data["x"], data["y"], seed=0)
+    fit = lambda count: model.fit(data["x"], data["y"], batch_size=n, epochs=count, verbose=0)  # noqa: E731
+    fit(warmup)
+    start = time.time()
+    fit(steps)
+    return n, (time.time() - start) / steps
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", nargs="+", required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    print("| data | N | recipe | s / step | 10,000 steps (h) | 20 splits (h) |")
+    print("|---|---|---|---|---|---|")
+    for folder in args.data:
+        name = os.path.basename(os.path.normpath(folder))
+        for label, precision, inducing in (("ours: shared, M = 100", "shared", 100),
+                                           ("paper: per-unit, M = N", "per_unit", 10**6)):
+            n, seconds = step_seconds(folder, precision, inducing, args.steps, args.warmup)
+            print(f"| {name} | {n} | {label} | {seconds:.3f} | {seconds * 1e4 / 3600:.1f} | "
+                  f"{seconds * 2e5 / 3600:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
