@@ -186,15 +186,19 @@ def plot(records, folder):
     except ImportError:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    colours = {m: f"C{i}" for i, m in enumerate(METHODS)}
     for r in records:
         steps = [p["step"] for p in r["curve"]]
+        lr = r.get("lr", LEARNING_RATE)
+        style = dict(color=colours.get(r["method"], "k"), linestyle="-" if lr != LEARNING_RATE else "--")
         for ax, key in zip(axes, ("elbo", "test_ll", "accuracy")):
-            ax.plot(steps, [p[key] for p in r["curve"]], label=f"{r['method']}, lr {r.get('lr', LEARNING_RATE):g} ({r['seed']})")
-    for ax, key in zip(axes, ("ELBO / N", "test log likelihood", "test accuracy")):
+            ax.plot(steps, [p[key] for p in r["curve"]], label=f"{r['method']}, lr {lr:g} ({r['seed']})", **style)
+    for ax, key in zip(axes, ("ELBO / N (from -6 up)", "test log likelihood", "test accuracy")):
         ax.set_xlabel("step")
         ax.set_title(key)
         if key != "test accuracy":
             ax.axhline(np.log(0.1), color="grey", linestyle=":")
+    axes[0].set_ylim(-6.0, 0.0)  # the baseline region; the factorised NealPrior ELBOs start near -300
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "curves.png"), dpi=100)
