@@ -38,12 +38,12 @@ def test_uci_factorised_to_global_methods_run_and_cache_apart(folder, tmp_path):
 
 def test_appendix_p_table_marks_cells_within_one_standard_error(tmp_path):
     def cache(method, prior, lls):
-        folder = tmp_path / "yacht" / uci.cache_label(method, gi_prior=prior)
-        folder.mkdir(parents=True)
+        path = tmp_path / "yacht" / uci.cache_label(method, gi_prior=prior)
+        path.mkdir(parents=True)
         for split, ll in enumerate(lls):
             record = {"dataset": "yacht", "method": method, "split": split, "test_ll": ll, "test_rmse": 1.0,
                       "seconds": 1.0}
-            (folder / f"split_{split}.json").write_text(json.dumps(record))
+            (path / f"split_{split}.json").write_text(json.dumps(record))
 
     assert uci.appendix_p_markdown(str(tmp_path)) is None
     cache("gi", "neal", [-0.80, -0.84])  # -0.82 ± 0.02 against the paper's -0.81: met
