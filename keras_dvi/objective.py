@@ -112,11 +112,10 @@ def resolve_training(training):
     return found is not None and found[1] == "train_step"
 
 
-def planned_training_steps(model):
-    """The number of training steps the running `model.fit` plans: `(epochs - initial_epoch) *
-    steps per epoch`, or `None` outside `fit` or when the number of steps per epoch is unknown
-    (a dataset or generator of unknown length without `steps_per_epoch`). Read from `fit`'s
-    own arguments and the `History` callback's `params` (public Keras API); works while the
+def _fit_plan(model):
+    """`(fit's arguments, its History params)` of the running `model.fit`, or `None` outside
+    it. Read from `fit`'s own arguments and the `History` callback's `params` (public Keras
+    API; `fit` hands its `History` to the model when it builds its callbacks); works while the
     training step is traced."""
     found = _stepping_frame(("fit",), model)
     if found is None:
@@ -135,11 +134,40 @@ def planned_training_steps(model):
     if found is None:
         return None
     arguments = found[2]
+    if params.get("epochs") != arguments.get("epochs"):  # another fit's History
+        return None
+    return arguments, params
+
+
+def planned_training_steps(model):
+    """The number of training steps the running `model.fit` plans: `(epochs - initial_epoch) *
+    steps per epoch`, or `None` outside `fit` or when the number of steps per epoch is unknown
+    (a dataset or generator of unknown length without `steps_per_epoch`)."""
+    plan = _fit_plan(model)
+    if plan is None:
+        return None
+    arguments, params = plan
     epochs, steps = arguments.get("epochs"), params.get("steps")
-    if not isinstance(epochs, int) or params.get("epochs") != epochs or not isinstance(steps, int):
+    if not isinstance(epochs, int) or not isinstance(steps, int):
         return None
     initial = arguments.get("initial_epoch") or 0
     return max(0, epochs - int(initial)) * steps
+
+
+def fit_holds_data_in_one_batch(model):
+    """Whether the running `model.fit` takes its whole data set as one batch an epoch: `True`
+    (one step an epoch that `fit` counted from the data, not a `steps_per_epoch` argument),
+    `False` (several steps an epoch) or `None` (outside `fit`, or unknown)."""
+    plan = _fit_plan(model)
+    if plan is None:
+        return None
+    arguments, params = plan
+    steps = params.get("steps")
+    if not isinstance(steps, int):
+        return None
+    if steps > 1:
+        return False
+    return True if arguments.get("steps_per_epoch") is None else None
 
 
 def prior_weight_count(layer):
