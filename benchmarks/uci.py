@@ -49,6 +49,7 @@ import math
 import multiprocessing
 import os
 import time
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -351,7 +352,10 @@ def run_one(folder, method, split, args):
         steps, objective = fit_to_convergence(model, data, batch, args, args.seed + split)
     else:
         x, y = epoch_stream(data["x"], data["y"], steps, batch, args.seed + split)
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        with warnings.catch_warnings():
+            if batch == n:  # full batches, stacked into one epoch: each batch is the data set
+                warnings.filterwarnings("ignore", message=".*`num_train` is also", category=UserWarning)
+            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     seconds = time.time() - start
     sampled = method in ("gi", "facgi", "mcvi")
     if sampled:

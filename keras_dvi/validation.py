@@ -140,9 +140,8 @@ def num_train(value):
 def num_train_against_batch(num_train, rows, where, one_batch=None):
     """Checks `num_train` against the rows of a training batch (of layer `where`): fewer
     training examples than rows in one batch is impossible (an error); as many is the batch
-    size passed by mistake (a warning), unless the batch is the whole data set. `one_batch`:
-    whether `fit` takes the data set as one batch an epoch (`True`: no warning; `False`: it
-    takes several; `None`: unknown, as in `train_on_batch`)."""
+    size passed by mistake (a warning), unless `one_batch`: `fit` takes the data as one batch
+    an epoch, the whole data set (`keras_dvi.objective.fit_holds_data_in_one_batch`)."""
     fix = ("`num_train` must be the number of training examples in the whole data set (e.g. "
            "`len(x_train)`), not the batch size: the KL is divided by it, so a batch-sized value "
            "overweights the KL by the number of batches per epoch")
@@ -150,14 +149,13 @@ def num_train_against_batch(num_train, rows, where, one_batch=None):
         raise ValueError(f"{where} trains on a batch of {rows} rows but `num_train` is {num_train}: {fix}.")
     if num_train > rows or one_batch:
         return
-    if one_batch is False:
-        message = (f"{where} trains on batches of {rows} rows, several an epoch, and `num_train` is "
-                   f"also {rows}: {fix}.")
-    else:
-        message = (f"{where} trains on a batch of {rows} rows and `num_train` is also {rows}. If the "
-                   f"data set has more rows than one batch, {fix[0].lower() + fix[1:]}. (If each batch "
-                   "holds the whole data set, ignore this.)")
-    warnings.warn(message, UserWarning, stacklevel=3)
+    warnings.warn(
+        f"{where} trains on a batch of {rows} rows and `num_train` is also {rows}. If the "
+        f"data set has more rows than one batch, {fix[0].lower() + fix[1:]}. (If each batch "
+        "holds the whole data set, ignore this.)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------- targets and labels
