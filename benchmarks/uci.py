@@ -30,7 +30,10 @@ set, tuned on no data set's test split:
   slower), NealPrior, learned homoscedastic noise (start -3, App. H scale 10), 10 samples
   per step, batches of `--gi-batch` rows (1,000; full batches for smaller data sets), Adam
   1e-2 for `--gi-steps` (3,000) updates; evaluated with 100 samples (Ober & Aitchison 2021,
-  App. K/O, shorter: they take 10,000 full-batch steps). No KL warm-up.
+  App. K/O, shorter: they take 10,000 full-batch steps, every training row an inducing point:
+  `--gi-precision per_unit --inducing all --gi-batch 10000 --gi-steps 10000`). No KL warm-up.
+  A cached global inducing split records its recipe (`--inducing`, `--gi-steps`, `--gi-batch`,
+  `--gi-lr`); a run asking for another one in the same `--results` folder is an error.
 
 Results are cached per data set, method and split (`--results`, JSON files), so an
 interrupted run resumes where it stopped (a cached result made with another `--kl-warmup` is
@@ -249,6 +252,35 @@ def epoch_stream(x, y, steps, batch, seed):
     return x[order], y[order]
 
 
+def inducing_count(text):
+    """`--inducing`: a positive integer, or `all` (every training row)."""
+    if text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or `all`, got {text!r}")
+    return value
+
+
+def num_inducing(args, num_train):
+    """The inducing points of a global inducing network trained on `num_train` rows."""
+    if args.inducing == "all":
+        return num_train
+    if args.inducing > num_train:
+        raise SystemExit(f"--inducing {args.inducing} is more than the {num_train} training rows: "
+                         "pass a smaller number, or `all`.")
+    return args.inducing
+
+
+def gi_recipe(args, num_train):
+    """What a global inducing run's cache records of its recipe (older records: the defaults)."""
+    return {"inducing": num_inducing(args, num_train), "gi_steps": args.gi_steps,
+            "gi_batch": min(num_train, args.gi_batch), "gi_lr": args.gi_lr}
+
+
 def build(method, input_dim, num_train, args):
     import keras
 
@@ -264,9 +296,9 @@ def build(method, input_dim, num_train, args):
         # The factorised body under the head's prior: N(0, 1 / fan_in), N(0, 1) or a learned scale.
         body_prior = (kd.ScalePriorRegularizer(num_train, **elbo) if prior == "scale"
                       else kd.GaussianPriorRegularizer(num_train, per_fan_in=prior == "neal", **elbo))
-        head = dict(num_inducing=args.inducing, precision=args.gi_precision,
+        head = dict(num_inducing=num_inducing(args, num_train), precision=args.gi_precision,
                     regularizer=GI_PRIORS[prior](num_train=num_train, **elbo))
-        layers = [keras.Input((input_dim,)), kd.InducingInputs(args.inducing)]
+        layers = [keras.Input((input_dim,)), kd.InducingInputs(num_inducing(args, num_train))]
         if method == "facgi":
             layers += [kd.DenseMCVI(50, "relu", num_samples=10, regularizer=body_prior),
                        kd.DenseMCVI(50, "relu", regularizer=body_prior),
@@ -283,7 +315,7 @@ def build(method, input_dim, num_train, args):
     if method == "gi":
         model = keras.Sequential([
             keras.Input((input_dim,)),
-            kd.GlobalInducingDense(50, "relu", num_inducing=args.inducing, num_samples=10,
+            kd.GlobalInducingDense(50, "relu", num_inducing=num_inducing(args, num_train), num_samples=10,
                                    precision=args.gi_precision,
                                    regularizer=GI_PRIORS[getattr(args, "gi_prior", "neal")](
                                        num_train=num_train, kl_warmup_steps=kl_warmup_steps(method, args))),
@@ -368,6 +400,7 @@ def run_one(folder, method, split, args):
     if method in GI_METHODS:
         record["precision"] = args.gi_precision
         record["prior"] = getattr(args, "gi_prior", "neal")
+        record.update(gi_recipe(args, n))
     record["kl_warmup"] = warmup if warmup is not None else model.layers[0].regularizer.kl_warmup_steps
     if record["kl_warmup"] == "auto":  # the length the first step planned
         record["kl_warmup_length"] = int(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length))
@@ -553,6 +586,14 @@ def _check_recipe(record, path, args):
     if record["method"] == "tagi" and str(record.get("init", "xavier")) != str(args.tagi_init):
         raise SystemExit(f"{path} was computed with --tagi-init {record.get('init', 'xavier')}, not "
                          f"{args.tagi_init}: pass --results with another folder.")
+    if record["method"] in GI_METHODS:
+        wanted = gi_recipe(args, record["num_train"])
+        defaults = {"inducing": 100, "gi_steps": 3000, "gi_batch": min(record["num_train"], 1000), "gi_lr": 1e-2}
+        cached = {key: record.get(key, defaults[key]) for key in wanted}
+        if cached != wanted:
+            raise SystemExit(f"{path} was computed with {cached}, but this run asks for {wanted}: pass "
+                             "the same --inducing / --gi-steps / --gi-batch / --gi-lr, or --results with "
+                             "another folder.")
     cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(record["method"], args)
     if wanted is None:
         return
@@ -670,7 +711,9 @@ def make_parser():
                         help="beta of EmpiricalBayesRegularizer (its default, the paper's: 10)")
     parser.add_argument("--validation", action="store_true",
                         help="score on 20%% of the training rows, not the test rows (recipe choices)")
-    parser.add_argument("--inducing", type=int, default=100)
+    parser.add_argument("--inducing", type=inducing_count, default=100,
+                        help="global inducing points (default 100), or `all`: every training row (the "
+                             "paper's recipe with --gi-batch 10000)")
     parser.add_argument("--gi-steps", type=int, default=3000)
     parser.add_argument("--gi-batch", type=int, default=1000, help="gi batch size (full batch up to this)")
     parser.add_argument("--gi-lr", type=float, default=1e-2)

@@ -30,10 +30,34 @@ def test_uci_factorised_to_global_methods_run_and_cache_apart(folder, tmp_path):
     with open(os.path.join(warm, name, "dvigi_standard", "split_0.json")) as f:
         record = json.load(f)
     assert record["prior"] == "standard" and record["kl_warmup"] == 1
-    model = uci.build("facgi", 3, 50, uci.make_parser().parse_args(["--gi-prior", "standard"]))
+    model = uci.build("facgi", 3, 200, uci.make_parser().parse_args(["--gi-prior", "standard"]))
     body = model.layers[1].regularizer
     assert (body.variance, body.per_fan_in) == (1.0, False)
     assert type(model.layers[3].regularizer).__name__ == "StandardPrior"
+
+
+def test_uci_inducing_all_is_every_training_row_and_the_cache_keeps_the_recipe(folder, tmp_path):  # noqa: F811
+    """The paper's recipe (every training row an inducing point) is one flag on every data set;
+    a cached split made with another recipe is refused, not silently reused."""
+    results = str(tmp_path / "results")
+    args = ["--data", folder, "--methods", "gi", "--splits", "0", "--results", results, "--jobs", "1",
+            "--gi-steps", "2", "--gi-batch", "10000", "--gi-precision", "per_unit"]
+    uci.main(args + ["--inducing", "all"])
+    with open(os.path.join(results, os.path.basename(folder), "gi_per_unit", "split_0.json")) as f:
+        record = json.load(f)
+    assert (record["inducing"], record["gi_batch"], record["gi_steps"]) == (25, 25, 2)  # 25 training rows
+    assert uci.main(args + ["--inducing", "all"])  # reused
+    with pytest.raises(SystemExit, match="'inducing': 25.*'inducing': 10"):
+        uci.main(args + ["--inducing", "10"])
+    with pytest.raises(SystemExit, match="more than the 25 training rows"):
+        uci.main(args + ["--inducing", "26", "--results", str(tmp_path / "other")])
+    with pytest.raises(SystemExit):
+        uci.make_parser().parse_args(["--inducing", "some"])
+    del record["inducing"], record["gi_steps"], record["gi_batch"], record["gi_lr"]  # an older record: defaults
+    record["num_train"] = 500
+    with pytest.raises(SystemExit, match="'inducing': 100, 'gi_steps': 3000"):
+        uci._check_recipe(record, "old.json", uci.make_parser().parse_args(args + ["--inducing", "all"]))
+    uci._check_recipe(record, "old.json", uci.make_parser().parse_args(["--inducing", "100", "--gi-precision", "per_unit"]))
 
 
 def test_appendix_p_table_marks_cells_within_one_standard_error(tmp_path):
