@@ -300,8 +300,11 @@ def build(method, input_dim, num_train, args):
                     regularizer=GI_PRIORS[prior](num_train=num_train, **elbo))
         layers = [keras.Input((input_dim,)), kd.InducingInputs(num_inducing(args, num_train))]
         if method == "facgi":
-            layers += [kd.DenseMCVI(50, "relu", num_samples=10, regularizer=body_prior),
-                       kd.DenseMCVI(50, "relu", regularizer=body_prior),
+            def init(fan_in):  # --fac-variance-init v: the authors' code's v / (fan_in + 1), bias included
+                v = getattr(args, "fac_variance_init", None)
+                return {} if v is None else dict(kernel_variance_init=v / (fan_in + 1), bias_variance_init=v / (fan_in + 1))
+            layers += [kd.DenseMCVI(50, "relu", num_samples=10, regularizer=body_prior, **init(input_dim)),
+                       kd.DenseMCVI(50, "relu", regularizer=body_prior, **init(50)),
                        kd.GlobalInducingDense(1, output_layer=True, **head),
                        kd.SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0)]
             loss = kd.SampledHeteroscedasticELL()
@@ -401,6 +404,8 @@ def run_one(folder, method, split, args):
         record["precision"] = args.gi_precision
         record["prior"] = getattr(args, "gi_prior", "neal")
         record.update(gi_recipe(args, n))
+        if method == "facgi" and args.fac_variance_init is not None:
+            record["fac_variance_init"] = args.fac_variance_init
     record["kl_warmup"] = warmup if warmup is not None else model.layers[0].regularizer.kl_warmup_steps
     if record["kl_warmup"] == "auto":  # the length the first step planned
         record["kl_warmup_length"] = int(keras.ops.convert_to_numpy(model.layers[0].kl_warmup_length))
@@ -590,6 +595,9 @@ def _check_recipe(record, path, args):
         wanted = gi_recipe(args, record["num_train"])
         defaults = {"inducing": 100, "gi_steps": 3000, "gi_batch": min(record["num_train"], 1000), "gi_lr": 1e-2}
         cached = {key: record.get(key, defaults[key]) for key in wanted}
+        if record["method"] == "facgi":
+            wanted["fac_variance_init"] = args.fac_variance_init
+            cached["fac_variance_init"] = record.get("fac_variance_init")
         if cached != wanted:
             raise SystemExit(f"{path} was computed with {cached}, but this run asks for {wanted}: pass "
                              "the same --inducing / --gi-steps / --gi-batch / --gi-lr, or --results with "
@@ -720,6 +728,9 @@ def make_parser():
     parser.add_argument("--gi-kl-warmup", type=int, default=0,
                         help="gi, facgi, dvigi: KL ramp 0 -> 1 over this many updates (default 0: the ELBO "
                              "throughout; cached results must match, so use another --results)")
+    parser.add_argument("--fac-variance-init", type=float, default=None,
+                        help="facgi: the body's initial weight variances v / (fan_in + 1), as in the authors' "
+                             "code (1e-3); default: the library's 0.03 / fan_in")
     parser.add_argument("--gi-precision", choices=("shared", "per_unit"), default="shared",
                         help="GlobalInducingDense precision (per_unit: App. K, about 5x slower)")
     parser.add_argument("--gi-prior", choices=("neal", "scale", "standard"), default="neal",

@@ -34,6 +34,10 @@ def test_uci_factorised_to_global_methods_run_and_cache_apart(folder, tmp_path):
     body = model.layers[1].regularizer
     assert (body.variance, body.per_fan_in) == (1.0, False)
     assert type(model.layers[3].regularizer).__name__ == "StandardPrior"
+    # --fac-variance-init: the authors' initial variances v / (fan_in + 1), bias included
+    model = uci.build("facgi", 3, 200, uci.make_parser().parse_args(["--fac-variance-init", "1e-3"]))
+    assert model.layers[1].kernel_variance_init == pytest.approx(1e-3 / 4)
+    assert model.layers[2].bias_variance_init == pytest.approx(1e-3 / 51)
 
 
 def test_uci_inducing_all_is_every_training_row_and_the_cache_keeps_the_recipe(folder, tmp_path):  # noqa: F811
