@@ -600,7 +600,7 @@ def _check_recipe(record, path, args):
             cached["fac_variance_init"] = record.get("fac_variance_init")
         if cached != wanted:
             raise SystemExit(f"{path} was computed with {cached}, but this run asks for {wanted}: pass "
-                             "the same --inducing / --gi-steps / --gi-batch / --gi-lr, or --results with "
+                             "the same --inducing / --gi-steps / --gi-batch / --gi-lr (/ --fac-variance-init), or --results with "
                              "another folder.")
     cached, wanted = record.get("kl_warmup", 0), kl_warmup_steps(record["method"], args)
     if wanted is None:
