@@ -296,9 +296,10 @@ def build(method, input_dim, num_train, args):
         # The factorised body under the head's prior: N(0, 1 / fan_in), N(0, 1) or a learned scale.
         body_prior = (kd.ScalePriorRegularizer(num_train, **elbo) if prior == "scale"
                       else kd.GaussianPriorRegularizer(num_train, per_fan_in=prior == "neal", **elbo))
-        head = dict(num_inducing=num_inducing(args, num_train), precision=args.gi_precision,
+        inducing = num_inducing(args, num_train)
+        head = dict(num_inducing=inducing, precision=args.gi_precision,
                     regularizer=GI_PRIORS[prior](num_train=num_train, **elbo))
-        layers = [keras.Input((input_dim,)), kd.InducingInputs(num_inducing(args, num_train))]
+        layers = [keras.Input((input_dim,)), kd.InducingInputs(inducing)]
         if method == "facgi":
             def init(fan_in):  # --fac-variance-init v: the authors' code's v / (fan_in + 1), bias included
                 v = getattr(args, "fac_variance_init", None)
@@ -593,7 +594,7 @@ def _check_recipe(record, path, args):
                          f"{args.tagi_init}: pass --results with another folder.")
     if record["method"] in GI_METHODS:
         wanted = gi_recipe(args, record["num_train"])
-        defaults = {"inducing": 100, "gi_steps": 3000, "gi_batch": min(record["num_train"], 1000), "gi_lr": 1e-2}
+        defaults = gi_recipe(make_parser().parse_args([]), record["num_train"])  # older records: the defaults
         cached = {key: record.get(key, defaults[key]) for key in wanted}
         if record["method"] == "facgi":
             wanted["fac_variance_init"] = args.fac_variance_init

@@ -155,19 +155,11 @@ def planned_training_steps(model):
 
 
 def fit_holds_data_in_one_batch(model):
-    """Whether the running `model.fit` takes its whole data set as one batch an epoch: `True`
-    (one step an epoch that `fit` counted from the data, not a `steps_per_epoch` argument),
-    `False` (several steps an epoch) or `None` (outside `fit`, or unknown)."""
+    """Whether the running `model.fit` takes its whole data set as one batch an epoch: one step
+    an epoch that `fit` counted from the data (not a `steps_per_epoch` argument). `False` outside
+    `fit`, with several steps an epoch, or when unknown."""
     plan = _fit_plan(model)
-    if plan is None:
-        return None
-    arguments, params = plan
-    steps = params.get("steps")
-    if not isinstance(steps, int):
-        return None
-    if steps > 1:
-        return False
-    return True if arguments.get("steps_per_epoch") is None else None
+    return plan is not None and plan[1].get("steps") == 1 and plan[0].get("steps_per_epoch") is None
 
 
 def prior_weight_count(layer):

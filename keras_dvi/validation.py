@@ -137,7 +137,7 @@ def num_train(value):
     return int(value)
 
 
-def num_train_against_batch(num_train, rows, where, one_batch=None):
+def num_train_against_batch(num_train, rows, where, one_batch=False):
     """Checks `num_train` against the rows of a training batch (of layer `where`): fewer
     training examples than rows in one batch is impossible (an error); as many is the batch
     size passed by mistake (a warning), unless `one_batch`: `fit` takes the data as one batch

@@ -103,9 +103,8 @@ class ELBOReportingLayer(KerasDVILayer):
             rows -= getattr(self, "inducing_rows", 0)
         if training and rows is not None and num_train is not None and not getattr(self, "_checked_num_train", False):
             self._checked_num_train = True
-            one_batch = None
-            if int(rows) == num_train:  # legitimate only if fit takes the data set as one batch
-                one_batch = objective.fit_holds_data_in_one_batch(objective.stepping_model())
+            # as many rows as `num_train` is legitimate only if fit takes the data set as one batch
+            one_batch = int(rows) == num_train and objective.fit_holds_data_in_one_batch(objective.stepping_model())
             validation.num_train_against_batch(num_train, int(rows), f"{type(self).__name__} {self.name!r}",
                                                one_batch)
         objective.start_step(self._tracker_ref.tracker, training, self.name, inputs)
