@@ -594,7 +594,9 @@ def _check_recipe(record, path, args):
                          f"{args.tagi_init}: pass --results with another folder.")
     if record["method"] in GI_METHODS:
         wanted = gi_recipe(args, record["num_train"])
-        defaults = gi_recipe(make_parser().parse_args([]), record["num_train"])  # older records: the defaults
+        d = make_parser().parse_args([])  # older records: the defaults
+        defaults = {"inducing": d.inducing, "gi_steps": d.gi_steps, "gi_batch": min(record["num_train"], d.gi_batch),
+                    "gi_lr": d.gi_lr}
         cached = {key: record.get(key, defaults[key]) for key in wanted}
         if record["method"] == "facgi":
             wanted["fac_variance_init"] = args.fac_variance_init
