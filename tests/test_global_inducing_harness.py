@@ -64,6 +64,30 @@ def test_uci_inducing_all_is_every_training_row_and_the_cache_keeps_the_recipe(f
     uci._check_recipe(record, "old.json", uci.make_parser().parse_args(["--inducing", "100", "--gi-precision", "per_unit"]))
 
 
+def test_select_by_elbo_chooses_by_final_loss_never_by_test_score(tmp_path):
+    from benchmarks.experiments import select_by_elbo
+
+    # Folder a: lower final_loss on splits 0 and 2, folder b on split 1; b's mean final_loss is lower.
+    runs = {"a": [(-1.0, 0.5), (-2.0, 3.0), (-1.5, 0.4)], "b": [(-0.5, 0.6), (-0.2, 0.1), (-3.0, 0.5)]}
+    for name, values in runs.items():
+        for split, (ll, loss) in enumerate(values + ([(9.0, -9.0)] if name == "a" else [])):  # split 3: a only
+            path = tmp_path / name / "energy" / "facgi" / f"split_{split}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"dataset": "energy", "split": split, "test_ll": ll, "final_loss": loss}))
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+    table = select_by_elbo.paired_splits(folders, "facgi")
+    assert list(table["energy"]) == [0, 1, 2]  # split 3 is not in every folder
+    chosen = select_by_elbo.choose(table["energy"])
+    np.testing.assert_allclose(chosen["per_split"], [-1.0, -0.2, -1.5])
+    np.testing.assert_allclose(chosen["per_data_set"], [-0.5, -0.2, -3.0])  # b: mean loss 0.4 against 1.3
+    assert list(chosen["picks"]) == [2, 1] and chosen["data_set_pick"] == 1
+    assert "| energy | 3 |" in select_by_elbo.main(["--label", "facgi", "--results"] + folders)
+    (tmp_path / "b" / "energy" / "facgi" / "split_0.json").write_text(json.dumps({"dataset": "energy", "split": 0,
+                                                                                  "test_ll": -1.0}))
+    with pytest.raises(SystemExit, match="no final_loss"):
+        select_by_elbo.main(["--label", "facgi", "--results"] + folders)
+
+
 def test_appendix_p_table_marks_cells_within_one_standard_error(tmp_path):
     def cache(method, prior, lls):
         path = tmp_path / "yacht" / uci.cache_label(method, gi_prior=prior)

@@ -129,6 +129,26 @@ def test_epoch_stream_is_consecutive_fresh_permutations_with_aligned_targets():
     assert not np.array_equal(rows[:10], rows[10:20])  # a fresh order every pass
 
 
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_final_loss_is_the_mean_loss_of_the_last_steps(steps_per_execution):
+    """`final_loss` against each step's loss computed directly (a frozen model: learning rate 0)."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    steps, batch, tail = 12, 3, 5
+    x = rng.standard_normal((steps * batch, 2)).astype("float32")
+    y = (x @ [[1.0], [-2.0]] + 3.0 * rng.standard_normal((steps * batch, 1))).astype("float32")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    model.compile(keras.optimizers.SGD(0.0), loss="mse", steps_per_execution=steps_per_execution)
+    callback = uci.tail_loss_callback(tail)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    per_step = ((x.sum(axis=1, keepdims=True) - y) ** 2).reshape(steps, batch).mean(axis=1)
+    # With steps_per_execution 4, the callback sees every 4th step: the tail starts at a step it saw.
+    start = steps - tail if steps_per_execution == 1 else 4
+    assert callback.result() == pytest.approx(per_step[start:].mean(), rel=1e-5)
+    assert abs(per_step[start:].mean() - per_step.mean()) > 1e-2  # the tail differs from the whole run
+
+
 def test_wide_table_marks_results_within_one_standard_error_of_the_paper():
     summary = [
         {"dataset": "yacht", "method": "dvi", "splits": 20, "test_ll": -0.50, "test_ll_se": 0.04, "published_ll": -0.47},
