@@ -285,15 +285,15 @@ def tail_loss_callback(tail=TAIL_STEPS):
 
 
 def inducing_count(text):
-    """`--inducing`: a positive integer, or `all` (every training row)."""
-    if text == "all":
+    """`--inducing`: a positive integer, `all` (every training row) or `batch` (the batch's rows)."""
+    if text in ("all", "batch"):
         return text
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or `all`, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, `all` or `batch`, got {text!r}")
     return value
 
 
@@ -301,6 +301,8 @@ def num_inducing(args, num_train):
     """The inducing points of a global inducing network trained on `num_train` rows."""
     if args.inducing == "all":
         return num_train
+    if args.inducing == "batch":  # the paper's choice: as many inducing points as a batch has rows
+        return min(num_train, args.gi_batch)
     if args.inducing > num_train:
         raise SystemExit(f"--inducing {args.inducing} is more than the {num_train} training rows: "
                          "pass a smaller number, or `all`.")
@@ -759,8 +761,9 @@ def make_parser():
     parser.add_argument("--validation", action="store_true",
                         help="score on 20%% of the training rows, not the test rows (recipe choices)")
     parser.add_argument("--inducing", type=inducing_count, default=100,
-                        help="global inducing points (default 100), or `all`: every training row (the "
-                             "paper's recipe with --gi-batch 10000)")
+                        help="global inducing points (default 100), `all`: every training row (the "
+                             "paper's recipe with --gi-batch 10000), or `batch`: as many as a batch has rows "
+                             "(the paper's rule; every row up to --gi-batch)")
     parser.add_argument("--gi-steps", type=int, default=3000)
     parser.add_argument("--gi-batch", type=int, default=1000, help="gi batch size (full batch up to this)")
     parser.add_argument("--gi-lr", type=float, default=1e-2)

@@ -57,6 +57,11 @@ def test_uci_inducing_all_is_every_training_row_and_the_cache_keeps_the_recipe(f
         uci.main(args + ["--inducing", "26", "--results", str(tmp_path / "other")])
     with pytest.raises(SystemExit):
         uci.make_parser().parse_args(["--inducing", "some"])
+    for batch, count in ((10, 10), (10000, 25)):  # `batch`: the batch's rows, every row up to --gi-batch
+        assert uci.num_inducing(uci.make_parser().parse_args(["--inducing", "batch", "--gi-batch", str(batch)]), 25) == count
+    path = os.path.join(results, os.path.basename(folder), "gi_per_unit", "split_0.json")
+    before = os.stat(path).st_mtime_ns
+    assert uci.main(args + ["--inducing", "batch"]) and os.stat(path).st_mtime_ns == before  # same 25 points: reused
     del record["inducing"], record["gi_steps"], record["gi_batch"], record["gi_lr"]  # an older record: defaults
     record["num_train"] = 500
     with pytest.raises(SystemExit, match="'inducing': 100, 'gi_steps': 3000"):
