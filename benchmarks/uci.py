@@ -31,7 +31,8 @@ set, tuned on no data set's test split:
   per step, batches of `--gi-batch` rows (1,000; full batches for smaller data sets), Adam
   1e-2 for `--gi-steps` (3,000) updates; evaluated with 100 samples (Ober & Aitchison 2021,
   App. K/O, shorter: they take 10,000 full-batch steps, every training row an inducing point:
-  `--gi-precision per_unit --inducing all --gi-batch 10000 --gi-steps 10000`). No KL warm-up.
+  `--gi-precision per_unit --inducing all --gi-batch 10000 --gi-steps 10000`; their rule, as many
+  inducing points as a batch has rows, is `--inducing batch`). No KL warm-up.
   A cached global inducing split records its recipe (`--inducing`, `--gi-steps`, `--gi-batch`,
   `--gi-lr`); a run asking for another one in the same `--results` folder is an error.
 

@@ -42,6 +42,9 @@ class GlobalInducingDense(GlobalInducingLayer):
         units: positive integer, output width.
         activation: any Keras activation (applied to the sampled pre-activations).
         num_inducing: number of inducing points `M` (first layer; later layers inherit it).
+            The paper takes as many as a batch has rows; on UCI data under `StandardPrior`
+            that, more than the step count, is what a whole-network model needed
+            (BENCHMARKS.md, Appendix P).
         output_layer: `True` for the last layer of the stack.
         precision: `"shared"` (one `lambda` per inducing point, one Cholesky factor per sample)
             or `"per_unit"` (one per inducing point and output unit, as in the paper's UCI
