@@ -38,7 +38,8 @@ set, tuned on no data set's test split:
 
 Every fixed-recipe split also records `final_loss`, the training loss (the negative ELBO per
 training row) averaged over its last 1,000 steps: the objective the paper chooses its learning
-rate by (`--gi-lr 3e-3` and `1e-2` in two `--results` folders, then the lower `final_loss`).
+rate by (`--gi-lr 3e-3` and `1e-2` in two `--results` folders, then
+`benchmarks/experiments/select_by_elbo.py`).
 
 Results are cached per data set, method and split (`--results`, JSON files), so an
 interrupted run resumes where it stopped (a cached result made with another `--kl-warmup` is

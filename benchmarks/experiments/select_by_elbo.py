@@ -7,8 +7,9 @@ test score: per split (the run with the lowest `final_loss`) and per data set (t
 the lowest mean `final_loss`). Prints each folder's test log-likelihood, the two choices', and
 how often each folder was chosen. Only splits cached in every folder count.
 
-    python benchmarks/experiments/select_by_elbo.py --label facgi_per_unit_standard \\
-        --results benchmarks/results/uci_gi_paper_lr/lr_3e-3 benchmarks/results/uci_gi_paper_lr/lr_1e-2
+    python benchmarks/uci.py --methods facgi --gi-prior standard --gi-lr 3e-3 --results runs/lr_3e-3 --data ../shared/uci/energy
+    python benchmarks/uci.py --methods facgi --gi-prior standard --gi-lr 1e-2 --results runs/lr_1e-2 --data ../shared/uci/energy
+    python benchmarks/experiments/select_by_elbo.py --label facgi_standard --results runs/lr_3e-3 runs/lr_1e-2
 """
 
 import argparse
