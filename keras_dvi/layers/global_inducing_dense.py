@@ -48,7 +48,8 @@ class GlobalInducingDense(GlobalInducingLayer):
         output_layer: `True` for the last layer of the stack.
         precision: `"shared"` (one `lambda` per inducing point, one Cholesky factor per sample)
             or `"per_unit"` (one per inducing point and output unit, as in the paper's UCI
-            runs; one factor per sample and unit).
+            runs; one factor per sample and unit: several times the step, and the better fit
+            on the UCI sets measured, BENCHMARKS.md "Appendix P").
         num_samples: weight samples per call (first layer; later layers follow it). The
             output has a sample axis either way.
         initial_log_precision: starting `log lambda`; `None` means -4, or 0 for the output
