@@ -100,7 +100,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     for kind in args.networks:
         r = time_steps(kind, args)
-        print(f"| {kind} | {args.batch} | {args.inducing if kind == 'gi' else '-'} | {r['seconds_per_step']:.2f} | "
+        print(f"| {kind} | {args.batch} | {args.inducing if kind == 'gi' else '-'} | {r['seconds_per_step']:.3g} | "
               f"{r['images_per_second']:.0f} | {r['parameters']} |", flush=True)
 
 

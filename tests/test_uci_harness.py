@@ -4,6 +4,7 @@ import json
 import math
 import os
 
+import keras
 import numpy as np
 import pytest
 from scipy import stats
@@ -71,6 +72,8 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
         record = json.load(f)
     assert record["split"] == 1 and record["num_train"] == 25
     assert record["kl_warmup"] == 1  # default: a KL ramp over half of the 3 steps
+    # Where it ran (its seconds depend on it): the backend and the kind of device.
+    assert record["backend"] == keras.backend.backend() and record["device"] in ("cpu", "gpu")
     # A cache made with another KL warm-up is refused, not mixed in.
     with pytest.raises(SystemExit, match="--kl-warmup 1"):
         uci.main(args + ["--kl-warmup", "0"])

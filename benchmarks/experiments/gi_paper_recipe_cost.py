@@ -52,8 +52,8 @@ def main(argv=None):
         for label, precision, inducing in (("ours: shared, M = 100", "shared", 100),
                                            ("paper: per-unit, M = N", "per_unit", 10**6)):
             n, seconds = step_seconds(folder, precision, inducing, args.steps, args.warmup)
-            print(f"| {name} | {n} | {label} | {seconds:.3f} | {seconds * 1e4 / 3600:.1f} | "
-                  f"{seconds * 2e5 / 3600:.0f} |", flush=True)
+            print(f"| {name} | {n} | {label} | {seconds:.3g} | {seconds * 1e4 / 3600:.2g} | "
+                  f"{seconds * 2e5 / 3600:.2g} |", flush=True)
 
 
 if __name__ == "__main__":
