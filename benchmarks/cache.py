@@ -22,6 +22,22 @@ def cached(path, compute, announce=None):
     return record
 
 
+def device():
+    """Where a record is computed (its seconds depend on it; its scores should not): JAX's
+    device kind (`'cpu'`, `'NVIDIA H200'`, ...); under TensorFlow `'gpu'` or `'cpu'`."""
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return str(jax.devices()[0].device_kind)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
+    return keras.backend.backend()
+
+
 def summarise(folder, pattern, summary_markdown):
     """Reads every record of `folder` matching `pattern`, writes `summary_markdown(records)` to
     `folder/summary.md`, prints and returns it."""

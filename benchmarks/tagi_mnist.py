@@ -56,7 +56,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cache import cached  # noqa: E402
+from cache import cached, device  # noqa: E402
 from images import load_mnist  # noqa: E402
 from uci import tagi_initialize  # noqa: E402
 
@@ -303,15 +303,9 @@ def run_seeds_compiled(width, batch, seeds, noise, data, args, deadline=None):
             "best_epoch": best, "test_error": t[best - 1]["error"], "test_nll": t[best - 1]["nll"],
             "seconds_per_epoch": float(np.mean(seconds)), "num_fit": len(fit), "epoch_seconds": seconds,
             "engine": "compiled", "runs_per_program": len(seeds), "backend": keras.backend.backend(),
-            "device": _device(), "validation_scores": v, "test_scores": t,
+            "device": device(), "validation_scores": v, "test_scores": t,
             "stopped_by_deadline": len(v) < args.max_epochs and not patience_ran_out(curve, args.patience)})
     return records
-
-
-def _device():
-    import jax
-
-    return str(jax.devices()[0].device_kind)
 
 
 # ---------------------------------------------------------------- timing

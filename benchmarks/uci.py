@@ -66,12 +66,16 @@ import json
 import math
 import multiprocessing
 import os
+import sys
 import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cache  # noqa: E402  (benchmarks/ is the script's folder)
 
 METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi", "facgi", "dvigi", "tagi")
 
@@ -448,7 +452,7 @@ def run_one(folder, method, split, args):
     ll, rmse = score(y_pred, data, sampled)
     record = {"dataset": os.path.basename(os.path.normpath(folder)), "method": method, "split": split,
               "test_ll": ll, "test_rmse": rmse, "seconds": seconds, "num_train": n,
-              "backend": keras.backend.backend(), "device": _device_kind()}
+              "backend": keras.backend.backend(), "device": cache.device()}
     if method in GI_METHODS:
         record["precision"] = args.gi_precision
         record["prior"] = getattr(args, "gi_prior", "neal")
@@ -663,21 +667,6 @@ def _check_recipe(record, path, args):
             f"{path} was computed with --kl-warmup {cached}, but this run uses {wanted}: pass "
             "--kl-warmup to match it, or --results with another folder."
         )
-
-
-def _device_kind():
-    """'gpu' or 'cpu': where the split ran (its `seconds` depend on it, its scores should not)."""
-    import keras
-
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.devices()[0].platform
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"
-    return "unknown"
 
 
 def _cache_path(results, folder, method, split):

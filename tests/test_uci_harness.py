@@ -73,7 +73,7 @@ def test_runs_caches_and_resumes(folder, tmp_path, monkeypatch):
     assert record["split"] == 1 and record["num_train"] == 25
     assert record["kl_warmup"] == 1  # default: a KL ramp over half of the 3 steps
     # Where it ran (its seconds depend on it): the backend and the kind of device.
-    assert record["backend"] == keras.backend.backend() and record["device"] in ("cpu", "gpu")
+    assert record["backend"] == keras.backend.backend() and isinstance(record["device"], str) and record["device"]
     # A cache made with another KL warm-up is refused, not mixed in.
     with pytest.raises(SystemExit, match="--kl-warmup 1"):
         uci.main(args + ["--kl-warmup", "0"])
