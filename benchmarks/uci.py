@@ -44,10 +44,8 @@ rate by (`--gi-lr 3e-3` and `1e-2` in two `--results` folders, then
 Results are cached per data set, method and split (`--results`, JSON files), so an
 interrupted run resumes where it stopped (a cached result made with another `--kl-warmup` is
 an error, not reused); `--jobs 2` runs two splits at a time (one process
-per job, one thread each). On a GPU, several jobs share it (each process then takes GPU
-memory as it needs it, not all of it up front). On one H200 twelve processes ran ten
-splits of yacht, boston and energy under the paper's whole global inducing recipe in about 4
-minutes (each split's 10,000 steps take 1-2 minutes alone), e.g.
+per job, one thread each). On a GPU, several jobs share it (each process takes GPU memory as
+it needs it, not all of it up front), e.g. the paper's whole global inducing recipe:
 
     KERAS_BACKEND=jax python benchmarks/uci.py --jobs 12 --methods gi --gi-prior standard \
         --gi-precision per_unit --inducing all --gi-batch 10000 --gi-steps 10000 \
