@@ -87,7 +87,7 @@ class HeteroscedasticELL(_ValidatingLoss):
             cross = ops.diagonal(second[:, :dims, dims:], axis1=-2, axis2=-1)
         else:
             variance, cross = second, ops.zeros_like(mean[:, :dims])
-        mean = validation.check_packed_variances(mean, variance, "HeteroscedasticELL")
+        mean = validation.check_packed_variances(mean, variance, "HeteroscedasticELL", self.validate)
         m, log_var = mean[:, :dims], mean[:, dims:]
         s_mm, s_ll = variance[:, :dims], variance[:, dims:]
         precision = moments.safe_exp(0.5 * s_ll - log_var)
@@ -154,10 +154,10 @@ class SoftmaxDeltaELL(_ValidatingLoss):
                 "SoftmaxDeltaELL needs a model output with one logit per class (at least 2 "
                 f"units); received {classes} unit(s)."
             )
-        labels = validation.check_finite(validation.class_labels(y_true, classes, mean.dtype), "y_true", self.validate)
+        labels = validation.check_finite(validation.class_labels(y_true, classes, mean.dtype, self.validate), "y_true", self.validate)
         mean = validation.check_finite(mean, "y_pred", self.validate)
         variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
-        mean = validation.check_packed_variances(mean, variance, "SoftmaxDeltaELL")
+        mean = validation.check_packed_variances(mean, variance, "SoftmaxDeltaELL", self.validate)
         if self.method == "jankowiak":
             log_norm = ops.logsumexp(mean + ops.log1p(0.5 * variance), axis=-1, keepdims=True)
             ell = mean - log_norm
@@ -180,7 +180,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         return config
 
 
-def _samples(y_pred, name, y_true):
+def _samples(y_pred, name, y_true, validate=False):
     """Checks a sampled output `(batch, samples, units)` against its targets' batch size."""
     if len(y_pred.shape) != 3:
         raise ValueError(
@@ -193,6 +193,7 @@ def _samples(y_pred, name, y_true):
         y_pred,
         f"{name}: the output has more rows than the targets; is the last GlobalInducingDense "
         "layer created with `output_layer=True`? (other layers return the inducing points too)",
+        validate,
     )
 
 
@@ -225,7 +226,7 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        y_pred = _samples(y_pred, "SampledHeteroscedasticELL", y_true)
+        y_pred = _samples(y_pred, "SampledHeteroscedasticELL", y_true, self.validate)
         units = y_pred.shape[-1]
         if units is None or units % 2:
             raise ValueError(
@@ -273,14 +274,14 @@ class SampledSoftmaxELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        y_pred = _samples(y_pred, "SampledSoftmaxELL", y_true)
+        y_pred = _samples(y_pred, "SampledSoftmaxELL", y_true, self.validate)
         classes = y_pred.shape[-1]
         if classes is None or classes < 2:
             raise ValueError(
                 "SampledSoftmaxELL needs one logit per class (at least 2 units); received "
                 f"{classes} unit(s)."
             )
-        labels = validation.check_finite(validation.class_labels(y_true, classes, y_pred.dtype), "y_true", self.validate)
+        labels = validation.check_finite(validation.class_labels(y_true, classes, y_pred.dtype, self.validate), "y_true", self.validate)
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         log_p = y_pred - ops.logsumexp(y_pred, axis=-1, keepdims=True)
         nll = validation.poison_unlabelled(-ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1), labels)

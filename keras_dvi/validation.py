@@ -3,9 +3,15 @@ negative variances and asymmetric covariances. Every module checks its inputs th
 
 Shapes are always checked (they are static). Values are checked whenever they are concrete
 (eager calls: `model(x)`, `layer(x)`, `loss(y, y_pred)`), at the cost of one pass over the
-inputs. Inside compiled functions (`fit`, `predict`, `evaluate`) values are not concrete;
-there, `validate=True` on a layer or loss adds TensorFlow assertions to the graph (a cheap
-pass over the inputs per step; TensorFlow backend only).
+inputs. Inside compiled functions (`fit`, `predict`, `evaluate`) values are not concrete, and
+a compiled step holds no check unless a layer or loss is created with `validate=True`: then
+TensorFlow assertions name the bad argument (a pass over the inputs per step and, on a GPU, a
+round trip to the host), and under JAX, which has no assertions, the loss becomes NaN. Without
+`validate`, the only value work in a compiled step is the losses' NaN guard on the model's
+output variances (`check_packed_variances`): one reduction over the small output, so that a
+plain layer after the last keras-dvi layer gives a NaN loss rather than a silently wrong one.
+Misplaced plain layers are also refused before any step runs, from the model's structure
+(`keras_dvi.layers.boundary`).
 """
 
 import warnings
@@ -54,8 +60,8 @@ def check_moments(mean, second, kind, name="inputs", validate=False, where=None)
 
     `second` is `None`, variances `(batch, K)` or covariances `(batch, K, K)`. Concrete values:
     variances (and covariance diagonals) must be >= 0 and finite, covariances symmetric
-    (relative tolerance 1e-5). Inside compiled steps the variances are always checked by
-    `check_packed_variances` (named by `where`, the layer), finiteness only with `validate`.
+    (relative tolerance 1e-5). Inside compiled steps nothing is checked unless `validate`:
+    then finiteness and the variances (`check_packed_variances`, named by `where`, the layer).
     """
     mean = check_finite(mean, name, validate)
     if second is None:
@@ -81,19 +87,22 @@ def check_moments(mean, second, kind, name="inputs", validate=False, where=None)
                     f"|C - C^T| is {asym:.3g} (relative {asym / scale:.3g})."
                 )
         return mean, second
+    if not validate or isinstance(second, keras.KerasTensor):
+        return mean, second
     variances = ops.diagonal(second, axis1=-2, axis2=-1) if full else second
-    return check_packed_variances(mean, variances, where or f"Argument `{name}`"), second
+    return check_packed_variances(mean, variances, where or f"Argument `{name}`", validate), second
 
 
-def check_same_batch(y_true, y_pred, message):
+def check_same_batch(y_true, y_pred, message, validate=False):
     """Raises `ValueError(message)` if `y_pred` has a different batch size than `y_true`
-    (checked statically, eagerly, or with a TensorFlow assertion inside compiled steps)."""
+    (checked statically, which covers every eager call and every JAX step, or, inside a
+    compiled TensorFlow step with an unknown batch size, by an assertion with `validate`)."""
     true_rows, pred_rows = y_true.shape[0], y_pred.shape[0]
     if true_rows is not None and pred_rows is not None:
         if true_rows != pred_rows:
             _fail(message + f" (targets: {true_rows} rows, output: {pred_rows} rows)")
         return y_pred
-    if keras.backend.backend() == "tensorflow":
+    if validate and keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
         with tf.control_dependencies(
@@ -176,20 +185,20 @@ def regression_targets(y_true, dims, name):
     )
 
 
-def class_labels(y_true, classes, dtype):
+def class_labels(y_true, classes, dtype, validate=False):
     """Labels as one-hot (or soft) rows `(batch, classes)`.
 
     Integer labels `(batch,)` / `(batch, 1)` must lie in `0 .. classes - 1`: checked in eager
-    calls, by a TensorFlow assertion inside compiled TensorFlow steps, and elsewhere (JAX) an
-    out-of-range label gives an all-zero row, which the losses turn into a NaN loss rather
-    than a silently wrong one.
+    calls and, with `validate`, by a TensorFlow assertion inside compiled TensorFlow steps;
+    otherwise an out-of-range label gives an all-zero row, which the losses turn into a NaN
+    loss rather than a silently wrong one (`poison_unlabelled`).
     """
     shape = tuple(y_true.shape)
     if len(shape) == 2 and shape[1] == classes:
         return ops.cast(y_true, dtype)
     if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
         indices = ops.cast(ops.reshape(y_true, (-1,)), "int32")
-        return ops.one_hot(_check_label_range(indices, classes), classes, dtype=dtype)
+        return ops.one_hot(_check_label_range(indices, classes, validate), classes, dtype=dtype)
     raise ValueError(
         f"keras_dvi losses: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
         f"or one-hot of shape (batch, {classes}) to match the {classes} logits; received "
@@ -197,7 +206,7 @@ def class_labels(y_true, classes, dtype):
     )
 
 
-def _check_label_range(indices, classes):
+def _check_label_range(indices, classes, validate=False):
     message = (
         f"Argument `y_true` has integer class labels outside 0..{classes - 1}, the range of the "
         f"model's {classes} logits: relabel the classes 0..{classes - 1} (e.g. subtract 1 from "
@@ -208,7 +217,7 @@ def _check_label_range(indices, classes):
         if value.size and (value.min() < 0 or value.max() >= classes):
             _fail(message + f"; received labels from {value.min()} to {value.max()}.")
         return indices
-    if keras.backend.backend() == "tensorflow" and not isinstance(indices, keras.KerasTensor):
+    if validate and keras.backend.backend() == "tensorflow" and not isinstance(indices, keras.KerasTensor):
         import tensorflow as tf
 
         with tf.control_dependencies([
@@ -231,14 +240,15 @@ def poison_unlabelled(nll, labels):
 NEGATIVE_VARIANCE_TOLERANCE = 1e-3
 
 
-def check_packed_variances(mean, variance, where):
+def check_packed_variances(mean, variance, where, validate=False):
     """Refuses a packed tensor whose variances are clearly negative, in every mode.
 
     A plain Keras layer between keras-dvi layers (or after the last one) treats the packed
     `(mean, covariance)` rows as numbers and makes the "variances" negative. Eager values raise
-    `ValueError`; in TensorFlow graphs an assertion raises with the same message; where
-    assertions are unavailable (JAX, XLA) the mean becomes NaN, so the loss is NaN rather than
-    silently wrong. `where` names the layer or loss. Returns `mean`.
+    `ValueError`. In compiled functions the mean becomes NaN (one scalar added: a reduction over
+    the variances, no assertion), so the loss is NaN rather than silently wrong; with
+    `validate`, a TensorFlow graph also holds an assertion that raises with the same message.
+    `where` names the layer or loss. Returns `mean`.
     """
     message = (
         f"{where} received a packed keras-dvi tensor whose variances are negative or NaN. "
@@ -255,8 +265,10 @@ def check_packed_variances(mean, variance, where):
         if (value < bound_value).any():
             _fail(message + f" (smallest variance {value.min():.3g}).")
         return mean
+    if isinstance(variance, keras.KerasTensor):
+        return mean
     ok = ops.all(variance >= bound)
-    if keras.backend.backend() == "tensorflow" and not isinstance(variance, keras.KerasTensor):
+    if validate and keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
         with tf.control_dependencies([tf.debugging.Assert(ok, [message])]):

@@ -120,3 +120,39 @@ def test_mixed_precision_computes_moments_in_float32_and_trains(policy):
         np.testing.assert_allclose(unpack(clone(x))[0], unpack(model(x))[0], rtol=1e-5, atol=1e-5)
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def _traced_step_asserts(validate):
+    """The `Assert` ops in a traced TensorFlow training step (forward, loss, gradients) of a
+    small Bayesian CNN whose layers and loss have `validate`."""
+    from keras_dvi import Conv2DDVI, EmpiricalBayesRegularizer, FlattenDVI, MaxPooling2DDVI
+
+    prior = EmpiricalBayesRegularizer(num_train=64)
+    model = keras.Sequential([
+        keras.Input((6, 6, 1)),
+        Conv2DDVI(3, 3, padding="same", regularizer=prior, validate=validate),
+        MaxPooling2DDVI(2, activation="relu"),
+        Conv2DDVI(4, 3, padding="same", regularizer=prior, validate=validate),
+        FlattenDVI(),
+        DenseDiagDVI(5, activation="relu", regularizer=prior, validate=validate),
+        DenseDVI(3, regularizer=prior, validate=validate),
+    ])
+    loss = SoftmaxDeltaELL(validate=validate)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True)) + sum(model.losses)
+        return value, tape.gradient(value, model.trainable_variables)
+
+    spec = (tf.TensorSpec((None, 6, 6, 1)), tf.TensorSpec((None,), tf.int32))
+    graph = step.get_concrete_function(*spec).graph
+    return sum(op.type == "Assert" for op in graph.get_operations())
+
+
+@pytest.mark.tensorflow_only  # counts TensorFlow graph ops
+def test_a_compiled_training_step_holds_no_assertion():
+    """Value checks run eagerly or under `validate=True`: a traced step (unknown batch size,
+    as `fit` traces it) of the default network holds no `Assert` op; `validate=True` adds them."""
+    assert _traced_step_asserts(validate=False) == 0
+    assert _traced_step_asserts(validate=True) > 0
