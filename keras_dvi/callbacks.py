@@ -4,7 +4,6 @@
 import keras
 
 from keras_dvi import network
-from keras_dvi.layers.reporting import ELBOReportingLayer
 
 
 _FORWARDED = (
@@ -59,8 +58,8 @@ class AfterKLWarmup(keras.callbacks.Callback):
 
     def warmup_done(self):
         """Whether every keras-dvi layer of the model has finished its KL warm-up."""
-        return all(layer.kl_warmup_done() for layer in network.layers_of(self.model)
-                   if isinstance(layer, ELBOReportingLayer) and layer.built and layer.regularizer is not None)
+        return all(layer.kl_term.warmup_done() for layer in network.layers_of(self.model)
+                   if getattr(layer, "kl_term", None) is not None and layer.built and layer.regularizer is not None)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.warmup_done():

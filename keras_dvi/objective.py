@@ -390,7 +390,7 @@ class ELBOTracker(keras.metrics.Metric):
         layer = None if head is None else head.layer()
         if steps < 1 or layer is None or getattr(self, "warned_collapse", False):
             return
-        if layer.regularizer is None or not layer.kl_warmup_done():
+        if layer.regularizer is None or not layer.kl_term.warmup_done():
             self.collapse_checks = 0
             return
         information, spread, log_classes = (float(ops.convert_to_numpy(v)) / steps for v in
@@ -425,7 +425,7 @@ class ELBOTracker(keras.metrics.Metric):
             f"information about its inputs (against {spread:.3f} for the spread of its average "
             f"prediction) and its nll is {nll:.3f} (a uniform guess: {log_classes:.3f}). It "
             f"predicts about the same class probabilities for every input. Cause: the KL term "
-            f"(weight {layer.kl_weight_after_warmup():.3g} after the warm-up) outweighs what the data "
+            f"(weight {layer.kl_term.weight_after_warmup():.3g} after the warm-up) outweighs what the data "
             "can pay for, which happens with many weights per training example (small data sets, "
             "wide networks, short runs): the posterior is pulled back to the prior. "
             + fixes + "`kl_warmup_steps=0` makes this worse (the documentation's classification "

@@ -601,7 +601,7 @@ def test_trains_saves_and_loads_in_safe_mode(tmp_path):
     assert history["nll"][-1] < history["nll"][0]
     conv = model.layers[0]
     assert int(to_numpy(conv.kl_step)) == 24 and int(to_numpy(conv.kl_warmup_length)) == 18  # auto: 3/4 of 24
-    assert conv.kl_warmup_done() and float(to_numpy(conv.kl_weight_value(training=True))) == pytest.approx(1.0)
+    assert conv.kl_term.warmup_done() and float(to_numpy(conv.kl_term.weight(training=True))) == pytest.approx(1.0)
     path = tmp_path / "cnn.keras"
     model.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)

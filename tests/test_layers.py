@@ -418,3 +418,21 @@ def test_public_api():
         assert getattr(keras_dvi, name) is not None, name
     for name in ("KLWarmup", "SampledGaussianELL", "sample_outputs"):
         assert not hasattr(keras_dvi, name), name
+
+
+def test_every_public_layer_is_at_most_three_classes_below_keras_layer():
+    """Layers in Keras' shape: shared behaviour by composition (the posterior's KL term, the
+    convolution's arguments, the weight draws of the Monte Carlo layers), not deep chains or
+    mixins."""
+    import inspect
+
+    import keras_dvi as kd
+
+    deep = {}
+    for name in dir(kd):
+        obj = getattr(kd, name)
+        if inspect.isclass(obj) and issubclass(obj, keras.layers.Layer) and not issubclass(obj, keras.Model):
+            between = obj.__mro__.index(keras.layers.Layer) - 1
+            if between > 3:
+                deep[name] = [c.__name__ for c in obj.__mro__[1:between + 1]]
+    assert deep == {}

@@ -1,5 +1,6 @@
 """The bundled data set and the README's main job."""
 
+import os
 import re
 import subprocess
 import sys
@@ -107,3 +108,44 @@ def test_main_job_explains_itself_and_refuses_missing_data(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dDVI computes exactly what DVI does" in out
     assert "Epoch 2/2" in out and "━" not in out  # a line per epoch when output is not a terminal
+
+
+def test_the_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
+    """`pip wheel .` builds a wheel with the licence and the bundled data; installed into a
+    fresh virtual environment (its dependencies are this environment's, put on its path without
+    this environment's own keras-dvi), it imports from there, not from the source tree, and
+    runs the main job."""
+    import glob
+    import site
+    import zipfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), root], check=True, capture_output=True, timeout=600)
+    (wheel,) = glob.glob(str(wheels / "keras_dvi-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(name.endswith("LICENSE") for name in names)
+    assert any(name.startswith("keras_dvi/data/") and name.endswith(".csv") for name in names)
+    assert not any(name.startswith(("tests/", "benchmarks/")) for name in names)
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=300)
+    python = str(env_dir / "bin" / "python")
+    (env_site,) = glob.glob(str(env_dir / "lib" / "python*" / "site-packages"))
+    # (paths listed in a .pth file are appended as they are: the .pth files inside them, such as
+    # an editable install of keras-dvi, are not read)
+    with open(os.path.join(env_site, "dependencies.pth"), "w") as handle:
+        handle.write("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index",
+                    wheel], check=True, capture_output=True, timeout=600)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", MPLBACKEND="Agg")
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([python, "-c", "import keras_dvi; print(keras_dvi.__file__)"], cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1].startswith(env_site)
+    plot = tmp_path / "toy.png"
+    run = subprocess.run([python, "-m", "keras_dvi", "--epochs", "2", "--no-reference", "--plot", str(plot)],
+                         cwd=str(tmp_path), capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "log-likelihood" in run.stdout and plot.exists()

@@ -67,7 +67,7 @@ def test_a_file_from_before_the_auto_warm_up_resumes_its_schedule():
     layer = model.layers[0]
     assert layer.regularizer.kl_warmup_steps == 3000  # saved in its config: the schedule it trained with
     assert float(to_numpy(layer.kl_step)) == 4.0 and float(to_numpy(layer.kl_warmup_length)) == 0.0
-    assert float(to_numpy(layer.kl_weight_value(training=True))) == pytest.approx(5 / 3000)
+    assert float(to_numpy(layer.kl_term.weight(training=True))) == pytest.approx(5 / 3000)
     model.fit(expected["x"], expected["y"], epochs=1, batch_size=8, verbose=0)
     assert float(to_numpy(layer.kl_step)) == 6.0
 

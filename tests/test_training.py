@@ -170,8 +170,8 @@ def test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for(epochs, batch
     steps = epochs * -(-len(x) // batch)
     layer = model.layers[0]
     assert float(to_numpy(layer.kl_warmup_length)) == -(-3 * steps // 4)
-    assert float(to_numpy(layer.kl_weight_value(training=True))) == pytest.approx(0.5)
-    assert layer.kl_warmup_done()
+    assert float(to_numpy(layer.kl_term.weight(training=True))) == pytest.approx(0.5)
+    assert layer.kl_term.warmup_done()
     nll, kl = _parts(model, x, y, 64)
     np.testing.assert_allclose(history["loss"][-1], nll + 0.5 * kl, rtol=1e-5)  # the last epoch
 
@@ -205,12 +205,12 @@ def test_the_auto_warm_up_is_planned_once_and_without_a_known_length_is_3000_ste
     model = _model("sequential", kd.EmpiricalBayesRegularizer(64))
     model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
     model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[StopAfter()])  # plans 80 steps
-    assert float(to_numpy(model.layers[0].kl_step)) == 3 and not model.layers[0].kl_warmup_done()
+    assert float(to_numpy(model.layers[0].kl_step)) == 3 and not model.layers[0].kl_term.warmup_done()
     model.save(tmp_path / "m.keras")
     loaded = keras.saving.load_model(tmp_path / "m.keras")
     loaded.fit(x, y, batch_size=64, epochs=1, verbose=0)  # a later run keeps the plan
     assert [float(to_numpy(layer.kl_warmup_length)) for layer in loaded.layers] == [60.0] * 3
-    assert float(to_numpy(loaded.layers[0].kl_weight_value(training=True))) == pytest.approx(5 / 60)
+    assert float(to_numpy(loaded.layers[0].kl_term.weight(training=True))) == pytest.approx(5 / 60)
 
 
 def test_after_kl_warmup_holds_a_stopping_rule_back_until_the_warm_up_is_over():
@@ -241,7 +241,7 @@ def test_the_schedule_resumes_after_saving(tmp_path):
     assert [float(to_numpy(layer.kl_step)) for layer in loaded.layers] == [3.0] * 3
     assert loaded.layers[0].regularizer.kl_weight == 0.5
     assert loaded.layers[0].regularizer.kl_warmup_steps == 10
-    assert float(to_numpy(loaded.layers[1].kl_weight_value(training=True))) == pytest.approx(0.5 * 4 / 10)
+    assert float(to_numpy(loaded.layers[1].kl_term.weight(training=True))) == pytest.approx(0.5 * 4 / 10)
 
 
 def test_prior_schedule_arguments_are_checked():

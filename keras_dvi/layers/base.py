@@ -12,14 +12,15 @@ import warnings
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing, priors, sampling, validation
-from keras_dvi.layers.reporting import ELBOReportingLayer
+from keras_dvi import moments, objective, packing, priors, sampling, validation
+from keras_dvi.layers.boundary import KerasDVILayer
+from keras_dvi.layers.kl_term import KLTerm
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.03
 
 
-class BayesianLayer(ELBOReportingLayer):
+class BayesianLayer(KerasDVILayer):
     """Base class: a factorised Gaussian posterior over a kernel and a bias.
 
     Args:
@@ -60,6 +61,7 @@ class BayesianLayer(ELBOReportingLayer):
         super().__init__(**kwargs)
         self.validate = bool(validate)
         self.regularizer = priors.get(regularizer)
+        self.kl_term = KLTerm(self)
         self.activation = moments.canonical_activation(activation)
         self.use_bias = bool(use_bias)
         self.kernel_mean_initializer = keras.initializers.get(kernel_mean_initializer)
@@ -121,7 +123,7 @@ class BayesianLayer(ELBOReportingLayer):
             self._bias_mean = None
             self._bias_log_std = None
         self._fan_in = fan_in
-        self._build_kl_step(is_head)
+        self.kl_term.build(is_head)
 
     @property
     def kernel_mean(self):
@@ -231,9 +233,9 @@ class BayesianLayer(ELBOReportingLayer):
 
     def _report_kl(self, training=False, data=None):
         """Adds the KL; `data`: the layer's inputs if they are data (2-D), else `None`."""
-        self._start_network(training, data)
-        if training and self.regularizer is None and not getattr(self, "_warned_no_prior", False):
-            self._warned_no_prior = True
+        self.kl_term.start(training, data)
+        if training and self.regularizer is None and not self.kl_term.warned_no_prior:
+            self.kl_term.warned_no_prior = True
             warnings.warn(
                 f"{type(self).__name__} {self.name!r} is trained without a prior "
                 "(`regularizer=None`): no KL term pulls its posterior, so its variances shrink "
@@ -244,13 +246,13 @@ class BayesianLayer(ELBOReportingLayer):
                 stacklevel=2,
             )
         kl = None if self.regularizer is None else self.kl_divergence() / float(self.regularizer.num_train)
-        self._report_kl_value(kl, training)
+        self.kl_term.add(kl, training)
 
     def call(self, inputs, training=None):
         context = sampling.current_context()
         if context is not None:
             return self._sample(inputs, context)
-        return self._propagate(inputs, self._training(training))
+        return self._propagate(inputs, objective.resolve_training(training))
 
     def _propagate(self, inputs, training):
         """The moment-propagating forward pass of the dense forms (conv layers override it)."""
@@ -415,56 +417,47 @@ def apply_activation(x, activation):
     return moments.get_activation(activation).apply(x)
 
 
-class SampledPosterior:
-    """Mixin of the Monte Carlo baselines (`DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`; listed
-    before their `BayesianLayer` base): every call draws `num_samples` weight sets from the
-    posterior (first layer; later layers follow its sample axis), shared by every example of
-    the batch, and returns samples `(batch, samples, ...)`. Subclasses implement
-    `_sampled_forward(h, context)` on sample-major inputs `(samples, batch, ...)` and set
-    `data_rank`, the rank of their data inputs (`(batch, ...)`).
+class SampledWeights:
+    """The weight draws of a Monte Carlo baseline layer (`DenseMCVI`, `Conv1DMCVI`,
+    `Conv2DMCVI`), held by composition as `layer.sampler`: every call draws `layer.num_samples`
+    weight sets from the posterior (first layer; later layers follow its sample axis), shared
+    by every example of the batch, and the layer returns samples `(batch, samples, ...)`. The
+    layer implements `_sampled_forward(h, context)` on sample-major inputs `(samples, batch,
+    ...)` and sets `data_rank`, the rank of its data inputs (`(batch, ...)`).
 
     Args:
+        layer: the layer; its `num_samples`, `seed` and `seed_generator` are set here (public
+            attributes, as `keras_dvi.predict_samples` and `set_sampling_seed` read them).
         num_samples: weight draws per call (first layer).
         seed: integer seed of the draws (`None`: from Keras' global seed).
     """
 
-    data_rank = 2
-    outputs_moments = False  # weight samples
+    def __init__(self, layer, num_samples=10, seed=None):
+        self.layer = layer
+        layer.num_samples = validation.positive_integer("num_samples", num_samples)
+        layer.seed = seed
+        layer.seed_generator = keras.random.SeedGenerator(seed)
 
-    def __init__(self, *args, num_samples=10, seed=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
-            raise ValueError(f"Argument `num_samples` must be a positive integer; received {num_samples!r}.")
-        self.num_samples = num_samples
-        self.seed = seed
-        self.seed_generator = keras.random.SeedGenerator(seed)
-
-    def takes_packed(self, shape):
-        return False  # weight samples: plain layers may act on them per sample (`KerasDVILayer`)
-
-    def _reads_data(self, input_shape):
-        return len(input_shape) == self.data_rank if isinstance(input_shape, tuple) else None
-
-    def _output_samples(self, input_shape):
-        return self.num_samples if len(input_shape) == self.data_rank else input_shape[1]
+    def output_samples(self, input_shape):
+        """The sample axis of the layer's output for inputs of `input_shape`."""
+        layer = self.layer
+        return layer.num_samples if len(input_shape) == layer.data_rank else input_shape[1]
 
     def call(self, inputs, training=None):
-        training = self._training(training)
-        inputs = ops.cast(inputs, self.moment_dtype)
+        """The layer's forward pass: data `(batch, ...)` or samples `(batch, samples, ...)` in,
+        samples `(batch, samples, ...)` out."""
+        layer = self.layer
+        training = objective.resolve_training(training)
+        inputs = ops.cast(inputs, layer.moment_dtype)
         data = None
-        if len(inputs.shape) == self.data_rank:
-            data = inputs = validation.check_finite(inputs, "inputs", self.validate)
-            h = ops.broadcast_to(inputs[None], (self.num_samples,) + tuple(ops.shape(inputs)))
+        if len(inputs.shape) == layer.data_rank:
+            data = inputs = validation.check_finite(inputs, "inputs", layer.validate)
+            h = ops.broadcast_to(inputs[None], (layer.num_samples,) + tuple(ops.shape(inputs)))
         else:
             h = ops.moveaxis(inputs, 1, 0)  # (samples, batch, ...)
-        self._report_kl(training, data)
-        out = self._sampled_forward(h, sampling.SamplingContext(h.shape[0], self.seed_generator))
+        layer._report_kl(training, data)
+        out = layer._sampled_forward(h, sampling.SamplingContext(h.shape[0], layer.seed_generator))
         return ops.moveaxis(out, 0, 1)
 
-    def _sampled_forward(self, h, context):
-        raise NotImplementedError
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"num_samples": self.num_samples, "seed": self.seed})
-        return config
+    def config(self):
+        return {"num_samples": self.layer.num_samples, "seed": self.layer.seed}

@@ -34,6 +34,7 @@ import warnings
 import keras
 
 from keras_dvi import network, objective
+from keras_dvi.layers.kl_term import reads_data_changed
 
 #: The attribute of a symbolic tensor naming the keras-dvi layer that produced it.
 PRODUCER = "keras_dvi_producer"
@@ -58,9 +59,32 @@ class KerasDVILayer(keras.layers.Layer):
     """A Keras layer that reads and writes keras-dvi tensors (see the module docstring).
 
     `outputs_moments`: whether its outputs are packed moments (`False` for layers whose outputs
-    are weight samples, on which plain layers may act per sample)."""
+    are weight samples, on which plain layers may act per sample). `kl_term`: the layer's
+    `keras_dvi.layers.kl_term.KLTerm` if it has weights under a prior (set by the layer), else
+    `None`; the first keras-dvi layer of a network lists the network's `ELBOTracker` in its
+    `metrics`."""
 
     outputs_moments = True
+    kl_term = None
+
+    @property
+    def elbo_tracker(self):
+        """The network's `ELBOTracker` if this is its first keras-dvi layer, else `None`."""
+        return None if self.kl_term is None else self.kl_term.tracker
+
+    @property
+    def metrics(self):
+        tracker = self.elbo_tracker
+        return super().metrics + ([tracker] if tracker is not None else [])
+
+    def _reads_data(self, input_shape):
+        """Whether inputs of `input_shape` are data (this is then the network's first keras-dvi
+        layer), or `None` if the layer cannot tell."""
+        return None
+
+    def load_own_variables(self, store):
+        if self.kl_term is None or not self.kl_term.load(store):
+            super().load_own_variables(store)
 
     def takes_packed(self, shape):
         """Whether an input of `shape` is a keras-dvi tensor (packed moments or weight samples)
@@ -83,6 +107,7 @@ class KerasDVILayer(keras.layers.Layer):
 
     def compute_output_spec(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
+        reads_data_changed(self, inputs)
         self._in_symbolic_graph = True
         tensors = [t for t in keras.tree.flatten(inputs) if keras.utils.is_keras_tensor(t)]
         self.inducing_rows = max([inducing_rows_of(t) for t in tensors] + [0])

@@ -1,5 +1,6 @@
 """`Conv1DDVI`, `Conv2DDVI`: Bayesian convolutions propagating per-position moments, and the
-configuration they share with the sampling baselines `Conv1DMCVI`, `Conv2DMCVI`."""
+convolution arguments (`ConvArguments`) and helpers they share with the sampling baselines
+`Conv1DMCVI`, `Conv2DMCVI`."""
 
 import math
 
@@ -20,14 +21,16 @@ from keras_dvi.layers.feature_map import (
     to_channels_last,
 )
 
-class ConvBase(BayesianLayer):
-    """Base class of the Bayesian convolutions: a factorised Gaussian posterior over a
-    `(*kernel_size, in, filters)` kernel and a bias, Keras' `Conv1D` / `Conv2D` arguments,
-    and the convolution with sampled kernels (one kernel per sample, shared by every
-    position). Subclasses set `rank`; the maths runs channels last (`_last` / `_restore`
-    transpose channels-first tensors around it).
+class ConvArguments:
+    """Keras' `Conv1D` / `Conv2D` arguments of a Bayesian convolution and what follows from
+    them, shared by composition (`layer.conv`) between `ConvDVI` and the Monte Carlo `ConvMCVI`:
+    validation, output sizes, the channels-last view the maths runs in (`last` / `restore`
+    transpose channels-first tensors and shapes around it), the convolution with sampled
+    kernels, and the config. The layer keeps the arguments as its own attributes too, as Keras'
+    convolutions do (`layer.filters`, `layer.kernel_size`, ...).
 
     Args:
+        rank: 1 or 2.
         filters: positive integer, the number of output channels.
         kernel_size: positive integer or tuple of `rank` positive integers.
         strides: positive integer or tuple (default 1).
@@ -36,21 +39,14 @@ class ConvBase(BayesianLayer):
             `keras.config.image_data_format()`.
         dilation_rate: positive integer or tuple (default 1); with strides above 1 it must be 1,
             as in Keras.
-        activation: as in `BayesianLayer`.
-        **kwargs: other arguments of `BayesianLayer` (initializers, `kernel_variance_init`,
-            `bias_variance_init` (`None`: `0.03 / fan_in`, `fan_in = prod(kernel_size) * in`),
-            `regularizer`, `validate`, `name`, `dtype`, ...).
     """
 
-    rank = None
-
-    def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
-                 activation=None, **kwargs):
-        super().__init__(activation=activation, **kwargs)
+    def __init__(self, rank, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1):
+        self.rank = rank
         self.filters = validation.positive_integer("filters", filters, " (output channels)")
-        self.kernel_size = integers("kernel_size", kernel_size, self.rank)
-        self.strides = integers("strides", strides, self.rank)
-        self.dilation_rate = integers("dilation_rate", dilation_rate, self.rank)
+        self.kernel_size = integers("kernel_size", kernel_size, rank)
+        self.strides = integers("strides", strides, rank)
+        self.dilation_rate = integers("dilation_rate", dilation_rate, rank)
         self.padding = _padding(padding)
         self.data_format = standardize_data_format(data_format)
         if max(self.strides) > 1 and max(self.dilation_rate) > 1:
@@ -59,136 +55,150 @@ class ConvBase(BayesianLayer):
                 f"convolutions); received strides={strides!r}, dilation_rate={dilation_rate!r}."
             )
 
-    def _output_spatial(self, spatial):
+    def config(self):
+        return {"filters": self.filters, "kernel_size": self.kernel_size, "strides": self.strides,
+                "padding": self.padding, "data_format": self.data_format, "dilation_rate": self.dilation_rate}
+
+    def window(self):
+        """The arguments of `keras_dvi.conv_moments`' convolutions."""
+        return {"strides": self.strides, "padding": self.padding, "dilation_rate": self.dilation_rate}
+
+    def output_spatial(self, spatial, name):
         out = tuple(output_size(n, k, s, self.padding, d)
                     for n, k, s, d in zip(spatial, self.kernel_size, self.strides, self.dilation_rate))
         if any(n is not None and n < 1 for n in out):
             raise ValueError(
-                f"Layer {self.name!r}: inputs of spatial shape {tuple(spatial)} are smaller than its "
+                f"Layer {name!r}: inputs of spatial shape {tuple(spatial)} are smaller than its "
                 f"kernel {self.kernel_size} (dilation {self.dilation_rate}) with padding='valid'."
             )
         return out
 
-    def _build_kernel(self, channels, is_head):
-        if channels is None:
-            raise ValueError(f"The channel dimension of the inputs to {type(self).__name__} must be defined.")
-        self._build_posterior(math.prod(self.kernel_size) * channels, self.filters, is_head,
-                              kernel_shape=self.kernel_size + (channels, self.filters))
-        self._channels = channels
-
-    def _check_channels(self, channels):
-        if channels is not None and self.built and channels != self._channels:
-            raise ValueError(
-                f"Layer {self.name!r} expects inputs with {self._channels} channels; received {channels}."
-            )
-
-    def _conv_arguments(self):
-        return {"strides": self.strides, "padding": self.padding, "dilation_rate": self.dilation_rate}
-
-    def _last_shape(self, shape):
-        """An input shape (or a pair of shapes) of this layer's data format, channels last."""
+    def last_shape(self, shape):
+        """An input shape (or a pair of shapes) of the layer's data format, channels last."""
         return shape_to_channels_last(shape, self.rank, self.data_format)
 
-    def _last(self, inputs):
-        """Inputs (a tensor or a pair) of this layer's data format, channels last."""
+    def last(self, inputs):
+        """Inputs (a tensor or a pair) of the layer's data format, channels last."""
         return to_channels_last(inputs, self.rank, self.data_format)
 
-    def _restore_shape(self, shape):
-        """A channels-last output shape in this layer's data format."""
+    def restore_shape(self, shape):
+        """A channels-last output shape in the layer's data format."""
         return shape_from_channels_last(shape, self.rank, self.data_format)
 
-    def _restore(self, outputs):
-        """A channels-last output tensor in this layer's data format."""
+    def restore(self, outputs):
+        """A channels-last output tensor in the layer's data format."""
         return from_channels_last(outputs, self.rank, self.data_format)
 
-    def _sample_conv(self, h, context):
-        """`conv(h, W) + b` with `W`, `b` drawn from the posterior, one draw per sample: `h`
-        `(samples, batch, *spatial, in)` -> `(samples, batch, *out_spatial, filters)`."""
-        kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
-        dtype = self.moment_dtype
-        noise = keras.random.normal((context.num_samples,) + tuple(kernel_mean.shape), dtype=dtype,
-                                    seed=context.seed_generator)
-        bias = None
-        if bias_mean is not None:
-            bias = bias_mean + ops.sqrt(bias_var) * keras.random.normal(
-                (context.num_samples, self.filters), dtype=dtype, seed=context.seed_generator)
-        return conv_moments.sampled_conv(ops.cast(h, dtype), kernel_mean + ops.sqrt(kernel_var) * noise, bias,
-                                         **self._conv_arguments())
 
-    @classmethod
-    def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
-        """A layer whose posterior means are the weights of a built `keras.layers.Conv1D` /
-        `Conv2D` (of this layer's rank) with a linear or ReLU activation.
+def build_kernel(layer, channels, is_head):
+    """Builds `layer`'s posterior over a `(*kernel_size, channels, filters)` kernel."""
+    if channels is None:
+        raise ValueError(f"The channel dimension of the inputs to {type(layer).__name__} must be defined.")
+    layer._build_posterior(math.prod(layer.kernel_size) * channels, layer.filters, is_head,
+                           kernel_shape=layer.kernel_size + (channels, layer.filters))
+    layer._channels = channels
 
-        Args:
-            conv: the built Keras convolution.
-            kernel_variance: initial posterior variance of the kernel (`None`: the default).
-            bias_variance: initial posterior variance of the bias (`None`: the default).
-            **kwargs: other constructor arguments of this class (`regularizer`, ...;
-                `activation=` overrides the convolution's).
 
-        Returns:
-            A built layer of this class with the same filters, kernel size, strides, padding,
-            data format, dilation, activation and bias.
-        """
-        expected = {1: keras.layers.Conv1D, 2: keras.layers.Conv2D}[cls.rank]
-        if not isinstance(conv, expected) or not conv.built or getattr(conv, "groups", 1) != 1:
-            raise ValueError(f"Argument `conv` must be a built keras.layers.{expected.__name__} layer (groups=1).")
-        if conv.padding not in PADDINGS:
-            raise ValueError("Argument `conv` must use padding 'valid' or 'same' (not 'causal').")
-        activation = kwargs.pop("activation", getattr(conv.activation, "__name__", None))
-        kwargs.setdefault("use_bias", conv.use_bias)
-        layer = cls(
-            conv.filters, conv.kernel_size, strides=conv.strides, padding=conv.padding,
-            data_format=conv.data_format, dilation_rate=conv.dilation_rate, activation=None if activation == "linear" else activation,
-            kernel_variance_init=kernel_variance, bias_variance_init=bias_variance, **kwargs,
+def check_channels(layer, channels):
+    if channels is not None and layer.built and channels != layer._channels:
+        raise ValueError(
+            f"Layer {layer.name!r} expects inputs with {layer._channels} channels; received {channels}."
         )
-        channels = int(conv.kernel.shape[-2])
-        layer.build(layer._restore_shape((None,) + (None,) * cls.rank + (channels,)))
-        layer.set_posterior(conv.kernel, layer.kernel_variance, conv.bias if conv.use_bias else None)
-        return layer
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"filters": self.filters, "kernel_size": self.kernel_size, "strides": self.strides,
-                       "padding": self.padding, "data_format": self.data_format,
-                       "dilation_rate": self.dilation_rate})
-        return config
 
 
-class ConvDVI(ConvBase):
-    """Base class of `Conv1DDVI` / `Conv2DDVI` (see `Conv2DDVI`)."""
+def sample_conv(layer, h, context):
+    """`conv(h, W) + b` with `W`, `b` drawn from `layer`'s posterior, one draw per sample: `h`
+    `(samples, batch, *spatial, in)` -> `(samples, batch, *out_spatial, filters)`."""
+    kernel_mean, kernel_var, bias_mean, bias_var = layer._posterior()
+    dtype = layer.moment_dtype
+    noise = keras.random.normal((context.num_samples,) + tuple(kernel_mean.shape), dtype=dtype,
+                                seed=context.seed_generator)
+    bias = None
+    if bias_mean is not None:
+        bias = bias_mean + ops.sqrt(bias_var) * keras.random.normal(
+            (context.num_samples, layer.filters), dtype=dtype, seed=context.seed_generator)
+    return conv_moments.sampled_conv(ops.cast(h, dtype), kernel_mean + ops.sqrt(kernel_var) * noise, bias,
+                                     **layer.conv.window())
+
+
+def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
+    """A layer whose posterior means are the weights of a built `keras.layers.Conv1D` /
+    `Conv2D` (of this layer's rank) with a linear or ReLU activation.
+
+    Args:
+        conv: the built Keras convolution.
+        kernel_variance: initial posterior variance of the kernel (`None`: the default).
+        bias_variance: initial posterior variance of the bias (`None`: the default).
+        **kwargs: other constructor arguments of this class (`regularizer`, ...;
+            `activation=` overrides the convolution's).
+
+    Returns:
+        A built layer of this class with the same filters, kernel size, strides, padding,
+        data format, dilation, activation and bias.
+    """
+    expected = {1: keras.layers.Conv1D, 2: keras.layers.Conv2D}[cls.rank]
+    if not isinstance(conv, expected) or not conv.built or getattr(conv, "groups", 1) != 1:
+        raise ValueError(f"Argument `conv` must be a built keras.layers.{expected.__name__} layer (groups=1).")
+    if conv.padding not in PADDINGS:
+        raise ValueError("Argument `conv` must use padding 'valid' or 'same' (not 'causal').")
+    activation = kwargs.pop("activation", getattr(conv.activation, "__name__", None))
+    kwargs.setdefault("use_bias", conv.use_bias)
+    layer = cls(
+        conv.filters, conv.kernel_size, strides=conv.strides, padding=conv.padding,
+        data_format=conv.data_format, dilation_rate=conv.dilation_rate, activation=None if activation == "linear" else activation,
+        kernel_variance_init=kernel_variance, bias_variance_init=bias_variance, **kwargs,
+    )
+    channels = int(conv.kernel.shape[-2])
+    layer.build(layer.conv.restore_shape((None,) + (None,) * cls.rank + (channels,)))
+    layer.set_posterior(conv.kernel, layer.kernel_variance, conv.bias if conv.use_bias else None)
+    return layer
+
+
+class ConvDVI(BayesianLayer):
+    """Base class of `Conv1DDVI` / `Conv2DDVI` (see `Conv2DDVI`): subclasses set `rank`."""
+
+    rank = None
+
+    def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
+                 activation=None, **kwargs):
+        super().__init__(activation=activation, **kwargs)
+        self.conv = ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate)
+        for name, value in self.conv.config().items():
+            setattr(self, name, value)
+
+    from_conv = classmethod(from_conv)
 
     def takes_packed(self, shape):
         return len(shape) == self.rank + 3
 
     def build(self, input_shape):
-        kind, _, channels = packing.structure_of_map(self._last_shape(input_shape), self.rank)
-        self._build_kernel(channels, is_head=kind == packing.DETERMINISTIC)
+        kind, _, channels = packing.structure_of_map(self.conv.last_shape(input_shape), self.rank)
+        build_kernel(self, channels, is_head=kind == packing.DETERMINISTIC)
 
     def _reads_data(self, input_shape):
         try:
-            return packing.structure_of_map(self._last_shape(input_shape), self.rank)[0] == packing.DETERMINISTIC
+            return packing.structure_of_map(self.conv.last_shape(input_shape), self.rank)[0] == packing.DETERMINISTIC
         except ValueError:
             return None
 
     def compute_output_shape(self, input_shape):
-        _, spatial, _ = packing.structure_of_map(self._last_shape(input_shape), self.rank)
-        return self._restore_shape(packing.map_shape(input_shape, self._output_spatial(spatial), self.filters))
+        _, spatial, _ = packing.structure_of_map(self.conv.last_shape(input_shape), self.rank)
+        spatial = self.conv.output_spatial(spatial, self.name)
+        return self.conv.restore_shape(packing.map_shape(input_shape, spatial, self.filters))
 
     def _propagate(self, inputs, training):
-        mean, variance, shared, kind = packing.split_map(self._last(inputs), self.rank)
+        mean, variance, shared, kind = packing.split_map(self.conv.last(inputs), self.rank)
         dtype = self.moment_dtype
         cast = lambda t: None if t is None else ops.cast(t, dtype)  # noqa: E731
         mean, variance, shared = cast(mean), cast(variance), cast(shared)
-        self._check_channels(mean.shape[-1])
+        check_channels(self, mean.shape[-1])
         mean, variance = validation.check_moments(mean, variance, kind, "inputs", self.validate,
                                                   where=f"{type(self).__name__} {self.name!r}")
         self._report_kl(training, mean if kind == packing.DETERMINISTIC else None)
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
         moments_a = conv_moments.conv_moments(mean, kernel_mean, kernel_var, bias_mean, bias_var, variance, shared,
-                                              **self._conv_arguments())
-        return self._restore(packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation)))
+                                              **self.conv.window())
+        return self.conv.restore(packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation)))
 
     def _sample(self, inputs, context):
         if isinstance(inputs, (list, tuple)) or len(inputs.shape) not in (self.rank + 2, self.rank + 3):
@@ -196,11 +206,16 @@ class ConvDVI(ConvBase):
                 "While sampling, keras-dvi conv layers take deterministic (batch, *spatial, channels) "
                 "inputs or (samples, batch, *spatial, channels) samples from another keras-dvi layer."
             )
-        inputs = self._last(inputs)
+        inputs = self.conv.last(inputs)
         if len(inputs.shape) == self.rank + 2:
             inputs = ops.broadcast_to(inputs[None], (context.num_samples,) + tuple(ops.shape(inputs)))
-        self._check_channels(int(inputs.shape[-1]))
-        return self._restore(apply_activation(self._sample_conv(inputs, context), self.activation))
+        check_channels(self, int(inputs.shape[-1]))
+        return self.conv.restore(apply_activation(sample_conv(self, inputs, context), self.activation))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self.conv.config())
+        return config
 
 
 _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propagating per-position moments.

@@ -2,22 +2,35 @@
 
 import keras
 
-from keras_dvi.layers.base import SampledPosterior, apply_activation
-from keras_dvi.layers.conv_dvi import ConvBase
+from keras_dvi.layers.base import BayesianLayer, SampledWeights, apply_activation
+from keras_dvi.layers.conv_dvi import ConvArguments, build_kernel, check_channels, from_conv, sample_conv
 
 
-class ConvMCVI(SampledPosterior, ConvBase):
-    """Base class of `Conv1DMCVI` / `Conv2DMCVI` (see `Conv2DMCVI`)."""
+class ConvMCVI(BayesianLayer):
+    """Base class of `Conv1DMCVI` / `Conv2DMCVI` (see `Conv2DMCVI`): subclasses set `rank`."""
+
+    rank = None
+    outputs_moments = False  # weight samples
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
                  activation=None, num_samples=10, seed=None, **kwargs):
-        super().__init__(filters, kernel_size, strides=strides, padding=padding, data_format=data_format,
-                         dilation_rate=dilation_rate, activation=activation, num_samples=num_samples, seed=seed,
-                         **kwargs)
+        super().__init__(activation=activation, **kwargs)
+        self.sampler = SampledWeights(self, num_samples, seed)
+        self.conv = ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate)
+        for name, value in self.conv.config().items():
+            setattr(self, name, value)
+
+    from_conv = classmethod(from_conv)
 
     @property
     def data_rank(self):
         return self.rank + 2
+
+    def takes_packed(self, shape):
+        return False  # weight samples: plain layers may act on them per sample
+
+    def _reads_data(self, input_shape):
+        return len(input_shape) == self.data_rank if isinstance(input_shape, tuple) else None
 
     def build(self, input_shape):
         if len(input_shape) not in (self.rank + 2, self.rank + 3):
@@ -26,19 +39,29 @@ class ConvMCVI(SampledPosterior, ConvBase):
                 f"samples, *spatial, channels) from another MCVI layer (channels first: channels before "
                 f"the spatial axes); received shape {input_shape}."
             )
-        input_shape = self._last_shape(input_shape)
-        self._build_kernel(input_shape[-1], is_head=len(input_shape) == self.rank + 2)
+        input_shape = self.conv.last_shape(input_shape)
+        build_kernel(self, input_shape[-1], is_head=len(input_shape) == self.rank + 2)
 
     def compute_output_shape(self, input_shape):
-        last = self._last_shape(input_shape)
+        last = self.conv.last_shape(input_shape)
         spatial = last[1:-1] if len(last) == self.rank + 2 else last[2:-1]
-        shape = (last[0], self._output_samples(last)) + self._output_spatial(spatial) + (self.filters,)
-        return self._restore_shape(shape)
+        shape = ((last[0], self.sampler.output_samples(last)) + self.conv.output_spatial(spatial, self.name)
+                 + (self.filters,))
+        return self.conv.restore_shape(shape)
+
+    def call(self, inputs, training=None):
+        return self.sampler.call(inputs, training)
 
     def _sampled_forward(self, h, context):
-        h = self._last(h)  # (samples, batch, ...): the channel axis as in samples of the output
-        self._check_channels(h.shape[-1])
-        return self._restore(apply_activation(self._sample_conv(h, context), self.activation))
+        h = self.conv.last(h)  # (samples, batch, ...): the channel axis as in samples of the output
+        check_channels(self, h.shape[-1])
+        return self.conv.restore(apply_activation(sample_conv(self, h, context), self.activation))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self.conv.config())
+        config.update(self.sampler.config())
+        return config
 
 
 _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by sampling (MCVI).

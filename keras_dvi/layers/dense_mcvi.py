@@ -3,11 +3,11 @@
 import keras
 from keras import ops
 
-from keras_dvi.layers.base import DenseBase, SampledPosterior, apply_activation
+from keras_dvi.layers.base import DenseBase, SampledWeights, apply_activation
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class DenseMCVI(SampledPosterior, DenseBase):
+class DenseMCVI(DenseBase):
     """Dense layer with a factorised Gaussian posterior, trained by sampling (MCVI).
 
     The baseline of Wu et al. (ICLR 2019, Section 5): the same posterior parameterisation,
@@ -48,9 +48,22 @@ class DenseMCVI(SampledPosterior, DenseBase):
     >>> model.compile(keras.optimizers.Adam(1e-3), loss=SampledHeteroscedasticELL())
     """
 
+    outputs_moments = False  # weight samples
+    data_rank = 2
+
     def __init__(self, units, activation=None, num_samples=10, local_reparameterization=False, seed=None, **kwargs):
-        super().__init__(units, activation=activation, num_samples=num_samples, seed=seed, **kwargs)
+        super().__init__(units, activation=activation, **kwargs)
+        self.sampler = SampledWeights(self, num_samples, seed)
         self.local_reparameterization = bool(local_reparameterization)
+
+    def takes_packed(self, shape):
+        return False  # weight samples: plain layers may act on them per sample
+
+    def _reads_data(self, input_shape):
+        return len(input_shape) == self.data_rank if isinstance(input_shape, tuple) else None
+
+    def call(self, inputs, training=None):
+        return self.sampler.call(inputs, training)
 
     def build(self, input_shape):
         if len(input_shape) not in (2, 3):
@@ -61,7 +74,7 @@ class DenseMCVI(SampledPosterior, DenseBase):
         self._build_posterior(int(input_shape[-1]), self.units, is_head=len(input_shape) == 2)
 
     def compute_output_shape(self, input_shape):
-        return (input_shape[0], self._output_samples(input_shape), self.units)
+        return (input_shape[0], self.sampler.output_samples(input_shape), self.units)
 
     def _sampled_forward(self, h, context):
         self._check_features(int(h.shape[-1]))
@@ -80,5 +93,6 @@ class DenseMCVI(SampledPosterior, DenseBase):
 
     def get_config(self):
         config = super().get_config()
+        config.update(self.sampler.config())
         config["local_reparameterization"] = self.local_reparameterization
         return config

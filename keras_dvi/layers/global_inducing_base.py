@@ -11,9 +11,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import inducing, priors, validation
+from keras_dvi import inducing, objective, priors, validation
 from keras_dvi.layers import boundary
-from keras_dvi.layers.reporting import ELBOReportingLayer
+from keras_dvi.layers.boundary import KerasDVILayer
+from keras_dvi.layers.kl_term import KLTerm
 
 #: Appendix H of Ober & Aitchison: the log precisions are stored divided by this factor (and
 #: multiplied back in the forward pass), so Adam moves them this much faster.
@@ -28,7 +29,7 @@ def positive_int(name, value, allow_none=False):
     return int(value)
 
 
-class GlobalInducingLayer(ELBOReportingLayer):
+class GlobalInducingLayer(KerasDVILayer):
     """Base class of the global inducing point layers (see `GlobalInducingDense`).
 
     Subclasses set `data_rank` (the rank of the data a first layer reads, batch included) and
@@ -83,6 +84,7 @@ class GlobalInducingLayer(ELBOReportingLayer):
         self.validate = bool(validate)
         self.inducing_inputs = None
         self._is_first = None
+        self.kl_term = KLTerm(self)
 
     # ---------------------------------------------------------------- wiring
 
@@ -220,7 +222,7 @@ class GlobalInducingLayer(ELBOReportingLayer):
             self.spatial_log_nu = self.add_weight(
                 name="spatial_log_nu", shape=(), autocast=False,
                 initializer=keras.initializers.Constant(self.regularizer.initial_log_nu))
-        self._build_kl_step(is_head=self._is_first)
+        self.kl_term.build(is_head=self._is_first)
 
     # ---------------------------------------------------------------- maths
 
@@ -295,8 +297,8 @@ class GlobalInducingLayer(ELBOReportingLayer):
         return scale * float(self.fan_in), log_ratio
 
     def call(self, inputs, training=None):
-        training = self._training(training)
-        self._start_network(training, inputs if self._is_first else None)
+        training = objective.resolve_training(training)
+        self.kl_term.start(training, inputs if self._is_first else None)
         dtype = self.moment_dtype
         inputs = ops.cast(inputs, dtype)
         m = self.num_inducing
@@ -317,7 +319,7 @@ class GlobalInducingLayer(ELBOReportingLayer):
         log_ratio = inducing.log_posterior_density(chol, noise) - inducing.log_prior_density(
             weights, prior_precision
         ) - scale_log_ratio
-        self._report_kl_value(ops.mean(log_ratio) / float(self.num_train), training)
+        self.kl_term.add(ops.mean(log_ratio) / float(self.num_train), training)
         out = self.activation(self.apply_weights(h, weights))
         if self.output_layer:
             out = out[:, m:]

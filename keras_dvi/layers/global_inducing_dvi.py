@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_dvi import inducing, packing, sampling
+from keras_dvi import inducing, objective, packing, sampling
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 
 
@@ -107,22 +107,22 @@ class GlobalInducingDenseDVI(GlobalInducingDense):
         self._is_first = False  # the inducing inputs live in `InducingInputs`
         self._build_shapes((features,))
         self._build_variables((features,))
-        self._set_head(kind == packing.DETERMINISTIC)
+        self.kl_term.set_head(kind == packing.DETERMINISTIC)
 
     def call(self, inputs, training=None):
         if sampling.current_context() is not None:
             raise ValueError("GlobalInducingDenseDVI has no Monte Carlo form (`keras_dvi.weight_samples`); "
                              "its outputs are exact given its inputs' moments.")
-        training = self._training(training)
+        training = objective.resolve_training(training)
         mean, second, kind = packing.split(inputs)
-        self._start_network(training, mean if kind == packing.DETERMINISTIC else None)
+        self.kl_term.start(training, mean if kind == packing.DETERMINISTIC else None)
         dtype = self.moment_dtype
         mean = ops.cast(mean, dtype)
         second = None if second is None else ops.cast(second, dtype)
         m = self.num_inducing
         chol, weight_mean = self.weight_posterior(mean[None, :m])
         kl = inducing.gaussian_kl_full(chol, weight_mean, self.prior_precision)[0]
-        self._report_kl_value(kl / float(self.num_train), training)
+        self.kl_term.add(kl / float(self.num_train), training)
         out_mean, out_cov = inducing.linear_output_moments(
             chol[0], weight_mean[0], mean[m:], None if second is None else second[m:])
         return packing.pack(out_mean, out_cov)

@@ -13,36 +13,37 @@ from keras_dvi.layers.feature_map import MapLayer, integers, output_size, per_sa
 from keras_dvi.layers.feature_map import padding as _padding
 
 
-class PoolingDVI(MapLayer):
-    """Base class of the local pooling layers (Keras' pooling arguments)."""
+def _pooling_arguments(layer, pool_size, strides, padding):
+    """Sets Keras' pooling arguments on a local pooling layer of rank `layer.rank`."""
+    layer.pool_size = integers("pool_size", pool_size, layer.rank)
+    layer.strides = layer.pool_size if strides is None else integers("strides", strides, layer.rank)
+    layer.padding = _padding(padding)
 
-    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, **kwargs):
+
+def _pooled_shape(layer, input_shape):
+    """The channels-last packed output shape of a local pooling layer."""
+    spatial, channels = layer._structure(input_shape)
+    out = tuple(output_size(n, k, s, layer.padding) for n, k, s in zip(spatial, layer.pool_size, layer.strides))
+    if any(n is not None and n < 1 for n in out):
+        raise ValueError(f"Layer {layer.name!r}: inputs of spatial shape {tuple(spatial)} are smaller than "
+                         f"its pool size {layer.pool_size} with padding='valid'.")
+    return packing.map_shape(input_shape, out, channels)
+
+
+def _window(layer):
+    return {"pool_size": layer.pool_size, "strides": layer.strides, "padding": layer.padding}
+
+
+class MaxPoolingDVI(MapLayer):
+    """Base class of `MaxPooling1DDVI` / `MaxPooling2DDVI` (see `MaxPooling2DDVI`)."""
+
+    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, activation=None, **kwargs):
         super().__init__(data_format=data_format, **kwargs)
-        self.pool_size = integers("pool_size", pool_size, self.rank)
-        self.strides = self.pool_size if strides is None else integers("strides", strides, self.rank)
-        self.padding = _padding(padding)
+        _pooling_arguments(self, pool_size, strides, padding)
+        self.activation = moments.canonical_activation(activation)
 
     def _output_shape(self, input_shape):
-        spatial, channels = self._structure(input_shape)
-        out = tuple(output_size(n, k, s, self.padding) for n, k, s in zip(spatial, self.pool_size, self.strides))
-        if any(n is not None and n < 1 for n in out):
-            raise ValueError(f"Layer {self.name!r}: inputs of spatial shape {tuple(spatial)} are smaller than "
-                             f"its pool size {self.pool_size} with padding='valid'.")
-        return packing.map_shape(input_shape, out, channels)
-
-    def _arguments(self):
-        return {"pool_size": self.pool_size, "strides": self.strides, "padding": self.padding}
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(self._arguments())
-        return config
-
-
-class MaxPoolingDVI(PoolingDVI):
-    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, activation=None, **kwargs):
-        super().__init__(pool_size, strides, padding, data_format, **kwargs)
-        self.activation = moments.canonical_activation(activation)
+        return _pooled_shape(self, input_shape)
 
     def compute_output_spec(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
@@ -65,24 +66,40 @@ class MaxPoolingDVI(PoolingDVI):
     def _propagate(self, mean, variance, shared):
         if any(n is None for n in mean.shape[1:-1]):
             raise ValueError(f"{type(self).__name__} needs inputs of known spatial shape; received {tuple(mean.shape)}.")
-        pooled = conv_moments.max_pool_moments(mean, variance, shared, **self._arguments())
+        pooled = conv_moments.max_pool_moments(mean, variance, shared, **_window(self))
         return packing.pack_map(*conv_moments.activation_moments(*pooled, self.activation))
 
     def _sample(self, samples):
-        return apply_activation(per_sample(lambda x: ops.max_pool(x, **self._arguments(), data_format="channels_last"), samples), self.activation)
+        pool = lambda x: ops.max_pool(x, **_window(self), data_format="channels_last")  # noqa: E731
+        return apply_activation(per_sample(pool, samples), self.activation)
 
     def get_config(self):
         config = super().get_config()
+        config.update(_window(self))
         config["activation"] = None if self.activation == "linear" else self.activation
         return config
 
 
-class AveragePoolingDVI(PoolingDVI):
+class AveragePoolingDVI(MapLayer):
+    """Base class of `AveragePooling1DDVI` / `AveragePooling2DDVI` (see `AveragePooling2DDVI`)."""
+
+    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        _pooling_arguments(self, pool_size, strides, padding)
+
+    def _output_shape(self, input_shape):
+        return _pooled_shape(self, input_shape)
+
     def _propagate(self, mean, variance, shared):
-        return packing.pack_map(*conv_moments.average_pool_moments(mean, variance, shared, **self._arguments()))
+        return packing.pack_map(*conv_moments.average_pool_moments(mean, variance, shared, **_window(self)))
 
     def _sample(self, samples):
-        return per_sample(lambda x: ops.average_pool(x, **self._arguments(), data_format="channels_last"), samples)
+        return per_sample(lambda x: ops.average_pool(x, **_window(self), data_format="channels_last"), samples)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(_window(self))
+        return config
 
 
 _POOL_DOC = """{kind} pooling on keras-dvi feature maps ({rank}D), arguments as `keras.layers.{keras_name}`.

@@ -1,0 +1,172 @@
+"""`KLTerm`: a layer's part of the training objective, `w_t * KL / N`, held by composition.
+
+Every keras-dvi layer with weights under a prior holds one (`layer.kl_term`; `None` in layers
+without weights). It keeps the layer's part of the objective's state (`keras_dvi.objective`):
+the counter of training calls `kl_step` and the planned warm-up length `kl_warmup_length`
+(non-trainable variables of the layer, saved with it) that drive the KL warm-up, and, in the
+first keras-dvi layer of a network (the one that reads data), the network's `ELBOTracker`
+metric. A layer's `call` uses it in two lines:
+
+    layer.kl_term.start(training, data)   # first layer: opens the step's nll / kl record
+    layer.kl_term.add(kl, training)        # adds w_t * KL / N to the model's losses
+"""
+
+import keras
+from keras import ops
+
+from keras_dvi import objective, priors, validation
+
+#: Names of the schedule's variables (saved with the model, in this order after the layer's
+#: own): the training steps taken, and the length of an `"auto"` warm-up (0: not planned yet).
+KL_STEP, KL_WARMUP_LENGTH = "kl_step", "kl_warmup_length"
+
+
+class KLTerm:
+    """The term `w_t * KL / N` that `layer` adds to its model's losses.
+
+    `w_t` is the prior's `kl_weight` (`"auto"` resolved by `keras_dvi.objective.resolved_kl_weight`)
+    times the warm-up factor `keras_dvi.objective.kl_ramp` of the layer's training step count.
+
+    Args:
+        layer: the keras-dvi layer that holds it; its `regularizer` is the prior.
+    """
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.tracker = None  # the network's ELBOTracker, in its first keras-dvi layer only
+        self.checked_num_train = False
+        self.warned_no_prior = False
+
+    # ---------------------------------------------------------------- state
+
+    def build(self, is_head):
+        """Creates the layer's `kl_step` and `kl_warmup_length` (after its own variables) and
+        gives it the network's tracker if `is_head` (its inputs are data)."""
+        layer = self.layer
+        layer.kl_step, layer.kl_warmup_length = (
+            layer.add_weight(name=name, shape=(), initializer="zeros", trainable=False, autocast=False)
+            for name in (KL_STEP, KL_WARMUP_LENGTH)
+        )
+        self.set_head(is_head)
+
+    def set_head(self, is_head):
+        """Gives the layer the network's tracker if it is the network's first keras-dvi layer
+        (its input is data), and takes it away if not."""
+        if is_head and self.tracker is None:
+            self.tracker = objective.ELBOTracker()
+            self.tracker.head = objective.HeadRef(self.layer)  # (a weak reference)
+        elif not is_head:
+            self.tracker = None
+
+    def load(self, store):
+        """Loads the layer's variables from `store`, also from files saved before the schedule's
+        variables existed: without `kl_step` (the first keras-dvi 0.1.0.dev0 files; it then
+        starts at 0) or without `kl_warmup_length` (files saved before the `"auto"` warm-up;
+        it is then planned at the next training step). Returns `False` for a current file,
+        which the layer loads as Keras does."""
+        layer = self.layer
+        variables = layer.weights  # the order Keras saves them in (no sub-layers here)
+        missing = len(variables) - len(store.keys())
+        if missing not in (1, 2):
+            return False
+        kept = variables[:-2] + ([layer.kl_step] if missing == 1 else [])
+        for i, variable in enumerate(kept):
+            variable.assign(store[f"{i}"])
+        return True
+
+    # ---------------------------------------------------------------- the weight w_t
+
+    def schedule(self):
+        """`(kl_weight, kl_warmup_steps)` of the layer's prior; `(1, 0)` without one."""
+        prior = self.layer.regularizer
+        return (1.0, 0) if prior is None else (prior.kl_weight, prior.kl_warmup_steps)
+
+    def warmup(self):
+        """The prior's warm-up length in training steps: an integer, or for an `"auto"` warm-up
+        the planned length (a tensor; taken as 1 before the first training step plans it)."""
+        warmup = self.schedule()[1]
+        if warmup == "auto":
+            return ops.maximum(ops.convert_to_tensor(self.layer.kl_warmup_length), 1.0)
+        return warmup
+
+    def weight_after_warmup(self):
+        """The prior's `kl_weight`, with `"auto"` resolved for the network the layer runs in
+        (`keras_dvi.objective.resolved_kl_weight`: `min(1, N / P)` for a classifier, else 1;
+        outside a compiled model's call, 1)."""
+        kl_weight = self.schedule()[0]
+        if kl_weight != priors.AUTO_KL_WEIGHT:
+            return kl_weight
+        return objective.resolved_kl_weight(self.layer.regularizer, objective.network_of(self.layer))
+
+    def weight(self, training=False):
+        """The weight `w_t` of the layer's KL at its next call: `kl_weight` outside training;
+        while training, times the warm-up factor of the current `kl_step`."""
+        kl_weight = self.weight_after_warmup()
+        warmup = self.warmup()
+        if not training or (isinstance(warmup, int) and not warmup):
+            return kl_weight
+        return kl_weight * objective.kl_ramp(ops.convert_to_tensor(self.layer.kl_step), warmup)
+
+    def warmup_done(self):
+        """Whether the KL warm-up is over: the next training step's KL weight is `kl_weight`
+        (`False` before an `"auto"` warm-up is planned at the first training step). Read
+        eagerly, e.g. by `keras_dvi.AfterKLWarmup` at the end of an epoch."""
+        layer = self.layer
+        if self.schedule()[1] == "auto" and float(ops.convert_to_numpy(layer.kl_warmup_length)) <= 0:
+            return False
+        ramp = objective.kl_ramp(ops.convert_to_tensor(layer.kl_step), self.warmup())
+        return bool(float(ops.convert_to_numpy(ramp)) >= 1.0)
+
+    def plan_warmup(self):
+        """At a training step, fixes the length of an `"auto"` warm-up once (while
+        `kl_warmup_length` is 0): three quarters of the steps the running `fit` plans, at most
+        3,000 (`keras_dvi.priors.auto_kl_warmup_steps`); read when the step is traced."""
+        if self.schedule()[1] != "auto":
+            return
+        model = objective.stepping_model()
+        planned = priors.auto_kl_warmup_steps(None if model is None else objective.planned_training_steps(model))
+        length = ops.convert_to_tensor(self.layer.kl_warmup_length)
+        self.layer.kl_warmup_length.assign(ops.where(length > 0, length, ops.cast(planned, length.dtype)))
+
+    # ---------------------------------------------------------------- a call
+
+    def start(self, training=False, inputs=None):
+        """Opens the step's hand-off if the layer is the network's first keras-dvi layer, whose
+        data `inputs` (2-D) also check `num_train` against the batch when training."""
+        if self.tracker is None:
+            return
+        layer = self.layer
+        num_train = None if layer.regularizer is None else layer.regularizer.num_train
+        rows = None if inputs is None else inputs.shape[0]
+        if rows is not None:  # the data rows: without the inducing rows of `InducingInputs`
+            rows -= getattr(layer, "inducing_rows", 0)
+        if training and rows is not None and num_train is not None and not self.checked_num_train:
+            self.checked_num_train = True
+            # as many rows as `num_train` is legitimate only if fit takes the data set as one batch
+            one_batch = int(rows) == num_train and objective.fit_holds_data_in_one_batch(objective.stepping_model())
+            validation.num_train_against_batch(num_train, int(rows), f"{type(layer).__name__} {layer.name!r}",
+                                               one_batch)
+        objective.start_step(self.tracker, training, layer.name, inputs)
+
+    def add(self, kl, training=False):
+        """Adds `w_t * kl` to the model's losses and hands `kl` (the layer's unweighted `KL / N`,
+        or `None` without a prior) to the step's loss; advances `kl_step` while training."""
+        layer = self.layer
+        if training:
+            self.plan_warmup()
+        if kl is not None:
+            layer.add_loss(ops.cast(self.weight(training), kl.dtype) * kl)
+            objective.add_kl(kl)
+        if training:
+            layer.kl_step.assign_add(ops.cast(1.0, layer.kl_step.dtype))
+
+
+def reads_data_changed(layer, inputs):
+    """Called when `layer` (with a `kl_term`) is placed in a network: a layer built on its own
+    (`from_dense`, `from_conv`) learns its place then, the first keras-dvi layer reading data."""
+    if layer.kl_term is None or not layer.built or not hasattr(layer, "kl_step"):
+        return
+    shapes = keras.tree.map_structure(lambda t: tuple(t.shape), inputs)
+    reads = layer._reads_data(shapes)
+    if reads is not None:
+        layer.kl_term.set_head(reads)
