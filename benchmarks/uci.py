@@ -209,20 +209,11 @@ TAGI_EXTEND, TAGI_PARABOLIC = 2, 2
 def load_split(folder, split, validation=False):
     """`((x, y), (x_test, y_test))` of split `split` in the standard layout, float64. With
     `validation`, the training rows are split again (the last 20% of a fixed permutation are
-    the evaluation rows): recipe choices are made there, never on the test rows."""
+    the evaluation rows): recipe choices are made there, never on the test rows
+    (`keras_dvi.datasets.load_uci`)."""
+    from keras_dvi import datasets
 
-    def ints(name):
-        return np.loadtxt(os.path.join(folder, name), dtype=int, ndmin=1)
-
-    data = np.loadtxt(os.path.join(folder, "data.txt"), ndmin=2)
-    features, target = ints("index_features.txt"), int(ints("index_target.txt")[0])
-    train, test = ints(f"index_train_{split}.txt"), ints(f"index_test_{split}.txt")
-    x, y = data[:, features], data[:, target]
-    if validation:
-        train = np.random.default_rng(split).permutation(train)
-        cut = int(round(0.8 * len(train)))
-        train, test = train[:cut], train[cut:]
-    return (x[train], y[train]), (x[test], y[test])
+    return datasets.load_uci(folder, split, validation=validation, dtype="float64")
 
 
 def num_splits(folder):

@@ -27,7 +27,7 @@ networks without gradients. The public API, by topic:
 * `convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
   means;
 * the maths: modules `moments` (dense layers), `conv_moments` (feature maps), `inducing`
-  (global inducing posteriors), `tagi.maths`; `datasets` (the bundled toy data set).
+  (global inducing posteriors), `tagi.maths`; `datasets` (the bundled toy data set, the UCI reader `load_uci`).
 """
 
 __version__ = "0.1.0"

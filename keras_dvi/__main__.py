@@ -18,28 +18,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 def load_uci(folder, split):
-    """Train/test arrays of split `split` of a data set in the standard UCI layout."""
-    import numpy as np
+    """Split `split` of the UCI data set in `folder` (`keras_dvi.datasets.load_uci`), or exit
+    with the reason."""
+    from keras_dvi import datasets
 
-    needed = ["data.txt", "index_features.txt", "index_target.txt", f"index_train_{split}.txt",
-              f"index_test_{split}.txt"]
-    if not os.path.isdir(folder):
-        raise SystemExit(f"python -m keras_dvi: --data {folder!r} is not a folder (expected the UCI "
-                         f"layout: {', '.join(needed[:3])}, index_train_K.txt, index_test_K.txt).")
-    missing = [name for name in needed if not os.path.exists(os.path.join(folder, name))]
-    if missing:
-        splits = sorted(int(n[12:-4]) for n in os.listdir(folder) if n.startswith("index_train_") and n[12:-4].isdigit())
-        raise SystemExit(f"python -m keras_dvi: {folder!r} lacks {', '.join(missing)}"
-                         + (f" (splits available: {splits[0]}..{splits[-1]})" if splits else "") + ".")
-
-    def ints(name):
-        return np.loadtxt(os.path.join(folder, name), dtype=int, ndmin=1)
-
-    data = np.loadtxt(os.path.join(folder, "data.txt"))
-    features, target = ints("index_features.txt"), int(ints("index_target.txt")[0])
-    train, test = ints(f"index_train_{split}.txt"), ints(f"index_test_{split}.txt")
-    x, y = data[:, features].astype("float32"), data[:, target].astype("float32")
-    return (x[train], y[train]), (x[test], y[test])
+    try:
+        return datasets.load_uci(folder, split)
+    except FileNotFoundError as error:
+        raise SystemExit(f"python -m keras_dvi: --data {error}") from None
 
 
 def gaussian_ll(y, mean, sd):

@@ -30,11 +30,10 @@ class AfterKLWarmup(keras.callbacks.Callback):
             `keras.callbacks.EarlyStopping(...)`, `ReduceLROnPlateau(...)` or
             `ModelCheckpoint(..., save_best_only=True)`.
 
-    Example:
-
-    >>> model.fit(x, y, epochs=1000, validation_split=0.1, callbacks=[
-    ...     keras_dvi.AfterKLWarmup(keras.callbacks.EarlyStopping(patience=10, restore_best_weights=True)),
-    ... ])
+    Examples:
+        >>> model.fit(x, y, epochs=1000, validation_split=0.1, callbacks=[
+        ...     keras_dvi.AfterKLWarmup(keras.callbacks.EarlyStopping(patience=10, restore_best_weights=True)),
+        ... ])
     """
 
     def __init__(self, callback):

@@ -216,13 +216,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     Returns:
         A new, built Keras model of keras-dvi layers (the plain model is left as it is).
 
-    Example:
-
-    >>> plain.fit(x_train, y_train, epochs=20)
-    >>> prior = keras_dvi.EmpiricalBayesRegularizer(len(x_train))
-    >>> bayesian = keras_dvi.convert(plain, regularizer=prior)
-    >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL())
-    >>> bayesian.fit(x_train, y_train, epochs=20)
+    Examples:
+        >>> plain.fit(x_train, y_train, epochs=20)
+        >>> prior = keras_dvi.EmpiricalBayesRegularizer(len(x_train))
+        >>> bayesian = keras_dvi.convert(plain, regularizer=prior)
+        >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL())
+        >>> bayesian.fit(x_train, y_train, epochs=20)
     """
     if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential) and not model.built:
         raise ValueError("Argument `model` of keras_dvi.convert must be a built Keras model (Sequential or functional).")

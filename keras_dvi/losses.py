@@ -61,9 +61,8 @@ class HeteroscedasticELL(_ValidatingLoss):
         name: loss name.
         dtype: dtype of the loss computation.
 
-    Example:
-
-    >>> model.compile(keras.optimizers.Adam(1e-3), loss=HeteroscedasticELL())
+    Examples:
+        >>> model.compile(keras.optimizers.Adam(1e-3), loss=HeteroscedasticELL())
     """
 
     def __init__(self, validate=False, reduction="sum_over_batch_size", name="heteroscedastic_ell", dtype=None):
@@ -131,9 +130,8 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         name: loss name.
         dtype: dtype of the loss computation.
 
-    Example:
-
-    >>> model.compile(keras.optimizers.Adam(1e-3), loss=SoftmaxDeltaELL())  # doctest: +SKIP
+    Examples:
+        >>> model.compile(keras.optimizers.Adam(1e-3), loss=SoftmaxDeltaELL())  # doctest: +SKIP
     """
 
     categorical = True
@@ -214,9 +212,8 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
         name: loss name.
         dtype: dtype of the loss computation.
 
-    Example:
-
-    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
+    Examples:
+        >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
 
     The sampled counterpart of `HeteroscedasticELL`.
     """
@@ -260,12 +257,11 @@ class SampledSoftmaxELL(_ValidatingLoss):
         name: loss name.
         dtype: dtype of the loss computation.
 
-    Example:
-
-    >>> model = keras.Sequential([keras.Input((64,)),
-    ...     GlobalInducingDense(50, "relu", num_inducing=100, regularizer=NealPrior(num_train=len(x))),
-    ...     GlobalInducingDense(10, output_layer=True)])
-    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledSoftmaxELL())
+    Examples:
+        >>> model = keras.Sequential([keras.Input((64,)),
+        ...     GlobalInducingDense(50, "relu", num_inducing=100, regularizer=NealPrior(num_train=len(x))),
+        ...     GlobalInducingDense(10, output_layer=True)])
+        >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledSoftmaxELL())
     """
 
     categorical = True

@@ -38,128 +38,29 @@ keras-dvi moments into features), and a packed input that no keras-dvi layer of 
 produced (a plain layer such as `Dropout` between keras-dvi layers of a subclassed model).
 """
 
-import inspect
 import math
-import sys
 import weakref
 import warnings
 
 import keras
 from keras import ops
 
+from keras_dvi import network
+
 #: The attribute of a model holding the `StepRecord` of its current step.
 RECORD = "keras_dvi_step"
 
-#: Methods of `keras.Model` whose `self` is the model being stepped, nearest on the call stack
-#: first: the step methods (also under JAX and custom `train_step`s), then the public loops
-#: (whose symbolic build runs a forward pass and the loss before the first step).
-_STEPPING_METHODS = ("train_step", "test_step", "fit", "evaluate", "train_on_batch", "test_on_batch")
-
-
-def _stepping_frame(names=_STEPPING_METHODS, model=None, frame=None):
-    """`(model, method name, frame locals)` of the nearest frame on the Python call stack that
-    runs one of the `keras.Model` methods `names` (of `model`, if given), or `None`. `frame`:
-    the innermost frame to search from (default: the caller's)."""
-    frame = frame or inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name in names:
-                found = frame.f_locals.get("self")
-                if isinstance(found, keras.Model) and (model is None or found is model):
-                    return found, frame.f_code.co_name, frame.f_locals
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
-
-
-def stepping_model():
-    """The `keras.Model` whose `fit`, `evaluate` or train or test step is running (or being
-    traced) in this thread, or `None`: a forward pass outside them (`model(x)`, `predict`, a
-    custom training loop). Found on the Python call stack (the `self` of the nearest of those
-    methods); no Keras attribute is read."""
-    found = _stepping_frame()
-    return None if found is None else found[0]
-
-
-def calling_models():
-    """The `keras.Model`s whose `call` is running in this thread (an eager `model(x)`,
-    `predict`), outermost first, found on the Python call stack as `stepping_model` finds its
-    model (Keras offers no scope for a model's call)."""
-    models, frame = [], inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == "call":
-                found = frame.f_locals.get("self")
-                if isinstance(found, keras.Model) and all(found is not m for m in models):
-                    models.append(found)
-            frame = frame.f_back
-        return models[::-1]
-    finally:
-        del frame
-
-
-def resolve_training(training):
-    """The training flag a keras-dvi layer acts on: `training` when Keras or the user set it,
-    else whether the layer runs inside Keras' `train_step` (of `fit`, `train_on_batch` or a
-    custom `train_step`). Keras hands `training=None` to the layers of a subclassed model whose
-    `call` does not pass it on (or has no `training` argument); a training step is a training
-    step all the same, so the KL warm-up advances and the step is logged as for any other
-    model. An explicit `training=False` is respected."""
-    if training is not None:
-        return bool(training)
-    found = _stepping_frame()
-    return found is not None and found[1] == "train_step"
-
-
-def _fit_plan(model):
-    """`(fit's arguments, its History params)` of the running `model.fit`, or `None` outside
-    it. Read from `fit`'s own arguments and the `History` callback's `params` (public Keras
-    API; `fit` hands its `History` to the model when it builds its callbacks); works while the
-    training step is traced."""
-    found = _stepping_frame(("fit",), model)
-    if found is None:
-        # `tf.distribute.MirroredStrategy` traces each replica's step in a thread of its own,
-        # while `fit` runs in the caller's: look at every thread's stack (`sys._current_frames`
-        # is public Python API).
-        for frame in sys._current_frames().values():  # noqa: SLF001
-            found = _stepping_frame(("fit",), model, frame)
-            if found is not None:
-                break
-    history = getattr(model, "history", None)
-    params = getattr(history, "params", None) or {}
-    # (`model.history` is set by the History callback of this model's `fit`; its `model`
-    # property is not read: on JAX it syncs the training state, which must not happen while
-    # the step is traced.)
-    if found is None:
-        return None
-    arguments = found[2]
-    if params.get("epochs") != arguments.get("epochs"):  # another fit's History
-        return None
-    return arguments, params
-
-
-def planned_training_steps(model):
-    """The number of training steps the running `model.fit` plans: `(epochs - initial_epoch) *
-    steps per epoch`, or `None` outside `fit` or when the number of steps per epoch is unknown
-    (a dataset or generator of unknown length without `steps_per_epoch`)."""
-    plan = _fit_plan(model)
-    if plan is None:
-        return None
-    arguments, params = plan
-    epochs, steps = arguments.get("epochs"), params.get("steps")
-    if not isinstance(epochs, int) or not isinstance(steps, int):
-        return None
-    initial = arguments.get("initial_epoch") or 0
-    return max(0, epochs - int(initial)) * steps
-
-
-def fit_holds_data_in_one_batch(model):
-    """Whether the running `model.fit` takes its whole data set as one batch an epoch: one step
-    an epoch that `fit` counted from the data (not a `steps_per_epoch` argument). `False` outside
-    `fit`, with several steps an epoch, or when unknown."""
-    plan = _fit_plan(model)
-    return plan is not None and plan[1].get("steps") == 1 and plan[0].get("steps_per_epoch") is None
+# What Keras offers no public channel for (the model being stepped, the running `fit`'s plan,
+# the training flag inside a `train_step` that does not pass one) is read off the Python call
+# stack in one module, `keras_dvi.keras_frames`, whose test fails when a Keras release changes
+# what it reads.
+from keras_dvi.keras_frames import (  # noqa: E402, F401 - part of this module's interface
+    calling_models,
+    fit_holds_data_in_one_batch,
+    planned_training_steps,
+    resolve_training,
+    stepping_model,
+)
 
 
 def prior_weight_count(layer):
@@ -168,16 +69,10 @@ def prior_weight_count(layer):
     `kl_weight="auto"`, `keras_dvi.priors.auto_kl_weight`). Counts built layers only."""
     from keras_dvi import priors
 
-    total, stack, seen = 0, [layer], set()
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(getattr(current, "regularizer", None), priors.PriorRegularizer) and current.built:
-            total += sum(int(math.prod(v.shape)) for v in (current.kernel_mean, current.bias_mean) if v is not None)
-        stack.extend(getattr(current, "layers", None) or [])
-    return total
+    return sum(int(math.prod(v.shape))
+               for current in [layer, *network.layers_of(layer)]
+               if isinstance(getattr(current, "regularizer", None), priors.PriorRegularizer) and current.built
+               for v in (current.kernel_mean, current.bias_mean) if v is not None)
 
 
 def trains_classifier(model):
@@ -217,27 +112,21 @@ def describe(model):
     KL weight (with `kl_weight="auto"` resolved to `min(1, N / P)`), `N`, whether that is the
     ELBO or a tempered posterior, and the warm-up.
 
-    Example:
-
-    >>> print(keras_dvi.objective.describe(model))  # doctest: +SKIP
-    After the KL warm-up (three quarters of the steps fit plans, at most 3000), fit minimises
-    nll + 0.0571 * KL / 1005: a tempered posterior (EmpiricalBayesRegularizer, kl_weight='auto'
-    for a classifier: min(1, N / P) with N = 1005 training examples and P = 17610 weights under
-    keras-dvi priors).
+    Examples:
+        >>> print(keras_dvi.objective.describe(model))  # doctest: +SKIP
+        After the KL warm-up (three quarters of the steps fit plans, at most 3000), fit minimises
+        nll + 0.0571 * KL / 1005: a tempered posterior (EmpiricalBayesRegularizer, kl_weight='auto'
+        for a classifier: min(1, N / P) with N = 1005 training examples and P = 17610 weights under
+        keras-dvi priors).
     """
     from keras_dvi import priors
 
-    found, seen, stack = {}, set(), [model]
-    while stack:
-        current = stack.pop(0)
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
+    found = {}
+    for current in [model, *network.layers_of(model)]:
         prior = getattr(current, "regularizer", None)
         if isinstance(prior, priors.KLSettings):
             # (one entry per distinct prior: a loaded model gives each layer its own copy)
             found.setdefault((type(prior).__name__, repr(sorted(prior.get_config().items()))), prior)
-        stack.extend(getattr(current, "layers", None) or [])
     if not found:
         return "fit minimises nll: no keras-dvi layer has a prior, so there is no KL term."
     count, classifier = prior_weight_count(model), trains_classifier(model)

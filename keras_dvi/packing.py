@@ -198,10 +198,9 @@ def unpack(outputs, covariance="auto"):
         `(mean (batch, K), covariance (batch, K, K) or variance (batch, K))`; for a feature map
         `(batch, 3, *spatial, channels)`, the means and variances `(batch, *spatial, channels)`.
 
-    Example:
-
-    >>> model = keras.Sequential([keras.Input((3,)), DenseDVI(8, "relu"), DenseDVI(2)])
-    >>> mean, cov = keras_dvi.unpack(model(x), covariance="full")
+    Examples:
+        >>> model = keras.Sequential([keras.Input((3,)), DenseDVI(8, "relu"), DenseDVI(2)])
+        >>> mean, cov = keras_dvi.unpack(model(x), covariance="full")
     """
     if covariance not in ("auto", "full", "diagonal"):
         raise ValueError(

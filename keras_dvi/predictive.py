@@ -309,10 +309,9 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         A NumPy array `(n, num_samples, units)` (a feature map's: `(n, num_samples, *spatial,
         channels)`).
 
-    Example:
-
-    >>> samples = keras_dvi.predict_samples(model, x_test, num_samples=1000, seed=0)
-    >>> mc_mean, mc_var = samples.mean(axis=1), samples.var(axis=1)
+    Examples:
+        >>> samples = keras_dvi.predict_samples(model, x_test, num_samples=1000, seed=0)
+        >>> mc_mean, mc_var = samples.mean(axis=1), samples.var(axis=1)
     """
     num_samples = validation.positive_integer("num_samples", num_samples)
     first = sampling.sampling_layer(model)
@@ -395,17 +394,16 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
     Returns:
         A dict of NumPy arrays, as above.
 
-    Example:
-
-    >>> out = keras_dvi.predict(model, x_test)
-    >>> out["mean"], out["std"], out["lower"], out["upper"]
+    Examples:
+        >>> out = keras_dvi.predict(model, x_test)
+        >>> out["mean"], out["std"], out["lower"], out["upper"]
     """
     from keras_dvi.layers import boundary
-    from keras_dvi.tagi.model import TAGIModel  # (here: it imports the layers)
 
     boundary.check_structure(model)
-    if isinstance(model, TAGIModel):  # its own predictive distribution (fixed noise, the tree)
-        return model.predictive(model.predict(x, batch_size=batch_size, verbose=0), level=level)
+    own = getattr(model, "predictive_distribution", None)
+    if callable(own):  # a model that states its own (`TAGIModel`: fixed noise, the binary tree)
+        return own(model.predict(x, batch_size=batch_size, verbose=0), level=level)
     task = _task(model, task)
     quantile = central_quantile(level) if task == REGRESSION else None  # checks `level`
     sampled = sampling.sampling_layer(model) is not None

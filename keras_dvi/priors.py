@@ -204,14 +204,13 @@ class EmpiricalBayesRegularizer(PriorRegularizer):
         kl_weight: weight of the KL after the warm-up (see `PriorRegularizer`).
         kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
 
-    Example:
-
-    >>> prior = EmpiricalBayesRegularizer(num_train=len(x_train))
-    >>> model = keras.Sequential([
-    ...     keras.Input((1,)),
-    ...     DenseDVI(128, "relu", regularizer=prior),
-    ...     DenseDVI(2, regularizer=prior),
-    ... ])
+    Examples:
+        >>> prior = EmpiricalBayesRegularizer(num_train=len(x_train))
+        >>> model = keras.Sequential([
+        ...     keras.Input((1,)),
+        ...     DenseDVI(128, "relu", regularizer=prior),
+        ...     DenseDVI(2, regularizer=prior),
+        ... ])
     """
 
     def __init__(self, num_train, alpha=1.0, beta=10.0, beta_per_fan_in=False, kl_weight=DEFAULT_KL_WEIGHT,
@@ -294,10 +293,9 @@ class ScalePriorRegularizer(PriorRegularizer):
         kl_weight: weight of the KL after the warm-up (see `PriorRegularizer`).
         kl_warmup_steps: length of the KL warm-up in training steps (see `PriorRegularizer`).
 
-    Example:
-
-    >>> prior = ScalePriorRegularizer(num_train=len(x_train))
-    >>> layer = DenseDiagDVI(100, "relu", regularizer=prior)
+    Examples:
+        >>> prior = ScalePriorRegularizer(num_train=len(x_train))
+        >>> layer = DenseDiagDVI(100, "relu", regularizer=prior)
     """
 
     def __init__(self, num_train, shape=2.0, rate=2.0, kl_weight=DEFAULT_KL_WEIGHT, kl_warmup_steps=DEFAULT_KL_WARMUP_STEPS):

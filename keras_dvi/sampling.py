@@ -8,7 +8,6 @@ weights (internally a sample axis in front of the batch axis; the result is retu
 `(batch, samples, units)`, the one sample-axis convention of keras-dvi).
 """
 
-import inspect
 import math
 
 import keras
@@ -26,25 +25,47 @@ class SamplingContext:
         self.seed_generator = seed_generator
 
 
+#: The attribute of a keras-dvi layer that holds the `SamplingContext` of the `weight_samples`
+#: call running it (`None`, or absent, during ordinary moment propagation).
+CONTEXT = "sampling_context"
+
+
+class sampling_scope:  # noqa: N801 - a context manager, named as Keras' scopes are
+    """Within `with sampling_scope(model, context):` every layer of `model` (nested models
+    included, and `model` itself if it is a layer) samples under `context` instead of
+    propagating moments: an explicit scope held by the layers while it is open, so no module
+    holds state and no layer looks up who called it.
+
+    Args:
+        model: a keras-dvi layer or a `keras.Model`.
+        context: the `SamplingContext`.
+    """
+
+    def __init__(self, model, context):
+        self.layers = [model, *network.layers_of(model)]
+        self.context = context
+
+    def __enter__(self):
+        for layer in self.layers:
+            setattr(layer, CONTEXT, self.context)
+        return self.context
+
+    def __exit__(self, *exc_info):
+        for layer in self.layers:
+            setattr(layer, CONTEXT, None)
+        return False
+
+
+def current_context(layer):
+    """The `SamplingContext` of the `weight_samples` call running `layer`, or `None` during
+    ordinary moment propagation (`sampling_scope`)."""
+    return getattr(layer, CONTEXT, None)
+
+
 def _sampled_call(model, x, context):
-    """Calls `model` on `x` while `context` is active: every keras-dvi layer called below this
-    frame finds `context` (`current_context`)."""
-    return model(x, training=False)
-
-
-def current_context():
-    """The `SamplingContext` of the `weight_samples` call running in this thread, or `None`
-    during ordinary moment propagation. Found on the Python call stack (the frame of
-    `_sampled_call`), so no module holds it."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code is _sampled_call.__code__:
-                return frame.f_locals.get("context")
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
+    """Calls `model` on `x` with every layer sampling under `context`."""
+    with sampling_scope(model, context):
+        return model(x, training=False)
 
 
 def _largest_kernel(model):
@@ -84,10 +105,9 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
         `(batch, num_samples, *spatial, channels)`): the output pre-activations or
         activations of the last layer, as the deterministic layers describe them.
 
-    Example:
-
-    >>> samples = keras_dvi.predict_samples(model, x, num_samples=20000, seed=0)
-    >>> mc_mean, mc_var = samples.mean(1), samples.var(1)
+    Examples:
+        >>> samples = keras_dvi.predict_samples(model, x, num_samples=20000, seed=0)
+        >>> mc_mean, mc_var = samples.mean(1), samples.var(1)
     """
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(
@@ -148,12 +168,11 @@ def set_sampling_seed(model, seed):
         model: a Keras model with sampling layers.
         seed: integer seed.
 
-    Example:
-
-    >>> keras_dvi.set_sampling_seed(model, 0)
-    >>> first = model.predict(x_test)
-    >>> keras_dvi.set_sampling_seed(model, 0)
-    >>> np.testing.assert_array_equal(first, model.predict(x_test))
+    Examples:
+        >>> keras_dvi.set_sampling_seed(model, 0)
+        >>> first = model.predict(x_test)
+        >>> keras_dvi.set_sampling_seed(model, 0)
+        >>> np.testing.assert_array_equal(first, model.predict(x_test))
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"Argument `seed` must be an integer; received {seed!r}.")

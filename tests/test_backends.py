@@ -30,6 +30,8 @@ def _jax_env(x64):
 
 #: The cross-section of the suite that runs again on JAX (`JAX_ENABLE_X64=1`).
 JAX_SUITE = [
+    # what keras_frames reads off the call stack, pinned on the installed Keras
+    "tests/test_keras_frames.py",
     # layers: every layer type end to end, fit, save/load, edge gradients (float64 included)
     "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-relu-paper]",
     "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-heaviside-paper]",

@@ -63,6 +63,63 @@ def test_site_builds_strictly(tmp_path):
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     assert os.path.exists(tmp_path / "site" / "api" / "dense" / "index.html")
     assert os.path.exists(tmp_path / "site" / "notebooks" / "06_bayesian_cnn_mnist" / "index.html")
+    _check_api_reference(tmp_path / "site")
+
+
+#: What Python's built-in types say of themselves: a constant or flag documented by inspection.
+BUILTIN_DOCSTRINGS = ("Built-in immutable sequence", "Built-in mutable sequence", "Convert a string or number",
+                      "Returns True when the argument", "str(object=", "int([x])", "Create a new dictionary")
+
+
+def _check_api_reference(site):
+    """The API reference tells the truth: docstring examples render as code (not as the nested
+    block quotes that `>>>` lines at the section's indent become), no argument with a default
+    is marked required, no constant shows its type's docstring, no object is documented twice,
+    long signatures wrap, and the maths renders offline (MathJax served with the site)."""
+    pages = sorted(glob.glob(str(site / "api" / "*" / "index.html")))
+    assert pages
+    for page in pages:
+        with open(page) as f:
+            html = f.read()
+        name = os.path.basename(os.path.dirname(page))
+        assert "<blockquote>" not in html, f"{name}: an example renders as a block quote"
+        assert '<span class="gp">&gt;&gt;&gt; </span>' in html or name in ("index", "maths"), f"{name}: no example"
+        assert not [text for text in BUILTIN_DOCSTRINGS if text in html], name
+        assert "<code>required</code>" not in html and "<em>required</em>" not in html, name
+    objects = {}
+    for page in pages:
+        with open(page) as f:
+            for anchor in re.findall(r'<h[23] id="(keras_dvi\.[\w.]+)"', f.read()):
+                objects.setdefault(_canonical(anchor), []).append((anchor, os.path.basename(os.path.dirname(page))))
+    twice = {key: found for key, found in objects.items() if len(found) > 1}
+    assert not twice, twice
+    with open(site / "index.html") as f:
+        home = f.read()
+    assert "javascripts/mathjax/tex-svg.js" in home and "unpkg.com" not in home and "cdn.jsdelivr" not in home
+    assert os.path.getsize(site / "javascripts" / "mathjax" / "tex-svg.js") > 1_000_000
+    with open(site / "stylesheets" / "extra.css") as f:
+        assert "pre-wrap" in f.read()
+
+
+def _canonical(anchor):
+    """The object an API anchor documents (`keras_dvi.layers.DenseDVI` and
+    `keras_dvi.layers.dense_dvi.DenseDVI` are one object)."""
+    import importlib
+
+    parts = anchor.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            value = getattr(value, part, None)
+        if value is None or isinstance(value, (int, float, str, bool)):
+            return anchor
+        owner = getattr(value, "__module__", None)
+        qualname = getattr(value, "__qualname__", None)
+        return f"{owner}.{qualname}" if owner and qualname else anchor
+    return anchor
 
 
 def test_the_api_reference_covers_every_public_name():

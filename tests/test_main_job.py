@@ -80,9 +80,9 @@ def test_main_job_reads_the_uci_layout(tmp_path):
     np.savetxt(tmp_path / "index_target.txt", [3], fmt="%d")
     np.savetxt(tmp_path / "index_train_0.txt", np.arange(30), fmt="%d")
     np.savetxt(tmp_path / "index_test_0.txt", np.arange(30, 40), fmt="%d")
-    from keras_dvi.__main__ import load_uci, main
+    from keras_dvi.__main__ import main
 
-    (x_train, y_train), (x_test, y_test) = load_uci(str(tmp_path), 0)
+    (x_train, y_train), (x_test, y_test) = datasets.load_uci(str(tmp_path), 0)
     assert x_train.shape == (30, 3) and y_test.shape == (10,)
     np.testing.assert_allclose(y_train, data[:30, 3].astype("float32"))
     results = main(["--data", str(tmp_path), "--epochs", "2", "--verbose", "0", "--plot", ""])

@@ -33,12 +33,11 @@ class AddDVI(MapLayer):
     Output shape:
         Packed, as the inputs.
 
-    Example:
-
-    >>> x = keras_dvi.Conv2DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(inputs)
-    >>> branch = keras_dvi.Conv2DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(x)
-    >>> branch = keras_dvi.Conv2DDVI(16, 3, padding="same", regularizer=prior)(branch)
-    >>> x = keras_dvi.AddDVI(activation="relu")([x, branch])
+    Examples:
+        >>> x = keras_dvi.Conv2DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(inputs)
+        >>> branch = keras_dvi.Conv2DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(x)
+        >>> branch = keras_dvi.Conv2DDVI(16, 3, padding="same", regularizer=prior)(branch)
+        >>> x = keras_dvi.AddDVI(activation="relu")([x, branch])
     """
 
     def __init__(self, activation=None, data_format=None, **kwargs):
@@ -68,7 +67,7 @@ class AddDVI(MapLayer):
         return first
 
     def call(self, inputs):
-        if sampling.current_context() is not None:  # (samples, batch, *spatial, channels) each
+        if sampling.current_context(self) is not None:  # (samples, batch, *spatial, channels) each
             return apply_activation(inputs[0] + inputs[1], self.activation)
         self._shapes([tuple(t.shape) for t in inputs])
         rank = len(inputs[0].shape) - 3

@@ -249,7 +249,7 @@ class BayesianLayer(KerasDVILayer):
         self.kl_term.add(kl, training)
 
     def call(self, inputs, training=None):
-        context = sampling.current_context()
+        context = sampling.current_context(self)
         if context is not None:
             return self._sample(inputs, context)
         return self._propagate(inputs, objective.resolve_training(training))

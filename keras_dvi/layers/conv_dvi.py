@@ -262,16 +262,15 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
         {new_dims})`): means, variances and shared components. `keras_dvi.unpack(outputs)`
         returns `(mean, variance)`.
 
-    Example:
-
-    >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
-    >>> model = keras.Sequential([
-    ...     keras.Input({input_example}),
-    ...     keras_dvi.Conv{rank}DDVI(32, 3, activation="relu", regularizer=prior),
-    ...     keras_dvi.MaxPooling{rank}DDVI(2),
-    ...     keras_dvi.FlattenDVI(),
-    ...     keras_dvi.DenseDVI(10, regularizer=prior),
-    ... ])
+    Examples:
+        >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
+        >>> model = keras.Sequential([
+        ...     keras.Input({input_example}),
+        ...     keras_dvi.Conv{rank}DDVI(32, 3, activation="relu", regularizer=prior),
+        ...     keras_dvi.MaxPooling{rank}DDVI(2),
+        ...     keras_dvi.FlattenDVI(),
+        ...     keras_dvi.DenseDVI(10, regularizer=prior),
+        ... ])
     """
 
 

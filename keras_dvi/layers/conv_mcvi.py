@@ -98,17 +98,16 @@ _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by s
         `(batch, samples, {new_dims}, filters)` (channels first: `(batch, samples, filters,
         {new_dims})`).
 
-    Example:
-
-    >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
-    >>> model = keras.Sequential([
-    ...     keras.Input({input_example}),
-    ...     keras_dvi.Conv{rank}DMCVI(32, 3, activation="relu", num_samples=10, regularizer=prior),
-    ...     keras.layers.TimeDistributed(keras.layers.MaxPooling{rank}D()),
-    ...     keras.layers.TimeDistributed(keras.layers.Flatten()),
-    ...     keras_dvi.DenseMCVI(10, regularizer=prior),
-    ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SampledSoftmaxELL())
+    Examples:
+        >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
+        >>> model = keras.Sequential([
+        ...     keras.Input({input_example}),
+        ...     keras_dvi.Conv{rank}DMCVI(32, 3, activation="relu", num_samples=10, regularizer=prior),
+        ...     keras.layers.TimeDistributed(keras.layers.MaxPooling{rank}D()),
+        ...     keras.layers.TimeDistributed(keras.layers.Flatten()),
+        ...     keras_dvi.DenseMCVI(10, regularizer=prior),
+        ... ])
+        >>> model.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SampledSoftmaxELL())
     """
 
 

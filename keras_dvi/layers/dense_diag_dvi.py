@@ -36,14 +36,13 @@ class DenseDiagDVI(DenseBase):
         Packed `(batch, 2, units)`: row 0 the means, row 1 the variances.
         `keras_dvi.unpack(outputs)` returns `(mean, variance)`.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((3,)),
-    ...     DenseDiagDVI(64, activation="relu"),
-    ...     DenseDiagDVI(64, activation="relu"),
-    ...     DenseDVI(2),  # a full-covariance head on a diagonal body
-    ... ])
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((3,)),
+        ...     DenseDiagDVI(64, activation="relu"),
+        ...     DenseDiagDVI(64, activation="relu"),
+        ...     DenseDVI(2),  # a full-covariance head on a diagonal body
+        ... ])
     """
 
     def compute_output_shape(self, input_shape):

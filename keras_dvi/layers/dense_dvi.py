@@ -42,15 +42,14 @@ class DenseDVI(DenseBase):
         the input (after a deterministic input the covariance is diagonal: the units are
         independent). Use `keras_dvi.unpack(outputs)` to get `(mean, covariance)`.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((3,)),
-    ...     DenseDVI(32, activation="relu"),
-    ...     DenseDVI(32, activation="relu"),
-    ...     DenseDVI(2),
-    ... ])
-    >>> mean, cov = keras_dvi.unpack(model(x), covariance="full")  # (B, 2), (B, 2, 2)
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((3,)),
+        ...     DenseDVI(32, activation="relu"),
+        ...     DenseDVI(32, activation="relu"),
+        ...     DenseDVI(2),
+        ... ])
+        >>> mean, cov = keras_dvi.unpack(model(x), covariance="full")  # (B, 2), (B, 2, 2)
     """
 
     def __init__(self, units, activation=None, covariance_approximation="paper", **kwargs):

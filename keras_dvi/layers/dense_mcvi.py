@@ -37,15 +37,14 @@ class DenseMCVI(DenseBase):
     Output shape:
         `(batch, samples, units)`.
 
-    Example:
-
-    >>> prior = EmpiricalBayesRegularizer(num_train=len(x))
-    >>> model = keras.Sequential([
-    ...     keras.Input((8,)),
-    ...     DenseMCVI(50, "relu", num_samples=10, regularizer=prior),
-    ...     DenseMCVI(2, regularizer=prior),
-    ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-3), loss=SampledHeteroscedasticELL())
+    Examples:
+        >>> prior = EmpiricalBayesRegularizer(num_train=len(x))
+        >>> model = keras.Sequential([
+        ...     keras.Input((8,)),
+        ...     DenseMCVI(50, "relu", num_samples=10, regularizer=prior),
+        ...     DenseMCVI(2, regularizer=prior),
+        ... ])
+        >>> model.compile(keras.optimizers.Adam(1e-3), loss=SampledHeteroscedasticELL())
     """
 
     outputs_moments = False  # weight samples

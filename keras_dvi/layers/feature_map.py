@@ -202,7 +202,7 @@ class MapLayer(KerasDVILayer):
     def call(self, inputs):
         rank = self._map_rank(tuple(inputs[0].shape) if isinstance(inputs, (list, tuple)) else tuple(inputs.shape))
         inputs = to_channels_last(inputs, rank, self.data_format)
-        if sampling.current_context() is not None:  # (samples, batch, *spatial, channels)
+        if sampling.current_context(self) is not None:  # (samples, batch, *spatial, channels)
             out = self._sample(inputs)
             return out if not self.maps_out else from_channels_last(out, rank, self.data_format)
         return self._from_last(self._propagate(*self._split(inputs)))

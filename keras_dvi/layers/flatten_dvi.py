@@ -32,14 +32,13 @@ class FlattenDVI(MapLayer):
         Packed `(batch, 2, prod(spatial) * channels)`: means and variances, ready for
         `DenseDiagDVI` / `DenseDVI`.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((8, 8, 1)),
-    ...     keras_dvi.Conv2DDVI(8, 3, activation="relu"),
-    ...     keras_dvi.FlattenDVI(),
-    ...     keras_dvi.DenseDVI(10),
-    ... ])
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((8, 8, 1)),
+        ...     keras_dvi.Conv2DDVI(8, 3, activation="relu"),
+        ...     keras_dvi.FlattenDVI(),
+        ...     keras_dvi.DenseDVI(10),
+        ... ])
     """
 
     maps_out = False

@@ -57,19 +57,18 @@ class GlobalInducingConv2D(GlobalInducingLayer):
         `(M + batch, samples, new_rows, new_cols, filters)`; `(batch, samples, ...)` with
         `output_layer=True`.
 
-    Example:
-
-    >>> prior = keras_dvi.NealPrior(num_train=len(x_train))
-    >>> model = keras.Sequential([
-    ...     keras.Input((28, 28, 1)),
-    ...     keras_dvi.GlobalInducingConv2D(32, 3, "relu", num_inducing=100, regularizer=prior),
-    ...     keras.layers.TimeDistributed(keras.layers.MaxPooling2D()),
-    ...     keras_dvi.GlobalInducingConv2D(32, 3, "relu", num_inducing=100, regularizer=prior),
-    ...     keras.layers.TimeDistributed(keras.layers.GlobalAveragePooling2D()),
-    ...     keras_dvi.GlobalInducingDense(10, num_inducing=100, regularizer=prior, output_layer=True),
-    ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SampledSoftmaxELL())
-    >>> keras_dvi.initialize_from_data(model, x_train, y_train)
+    Examples:
+        >>> prior = keras_dvi.NealPrior(num_train=len(x_train))
+        >>> model = keras.Sequential([
+        ...     keras.Input((28, 28, 1)),
+        ...     keras_dvi.GlobalInducingConv2D(32, 3, "relu", num_inducing=100, regularizer=prior),
+        ...     keras.layers.TimeDistributed(keras.layers.MaxPooling2D()),
+        ...     keras_dvi.GlobalInducingConv2D(32, 3, "relu", num_inducing=100, regularizer=prior),
+        ...     keras.layers.TimeDistributed(keras.layers.GlobalAveragePooling2D()),
+        ...     keras_dvi.GlobalInducingDense(10, num_inducing=100, regularizer=prior, output_layer=True),
+        ... ])
+        >>> model.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SampledSoftmaxELL())
+        >>> keras_dvi.initialize_from_data(model, x_train, y_train)
     """
 
     data_rank = 4

@@ -78,19 +78,18 @@ class GlobalInducingDense(GlobalInducingLayer):
     Output shape:
         `(batch, samples, units)` for the output layer, `(M + batch, samples, units)` otherwise.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((1,)),
-    ...     GlobalInducingDense(50, "relu", num_inducing=100,
-    ...                         regularizer=keras_dvi.NealPrior(num_train=len(x))),
-    ...     GlobalInducingDense(50, "relu"),  # takes num_inducing and the prior from above
-    ...     GlobalInducingDense(1, output_layer=True),
-    ...     SampledHomoscedasticNoise(),
-    ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
-    >>> initialize_from_data(model, x, y)
-    >>> model.fit(x, y, epochs=100)
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((1,)),
+        ...     GlobalInducingDense(50, "relu", num_inducing=100,
+        ...                         regularizer=keras_dvi.NealPrior(num_train=len(x))),
+        ...     GlobalInducingDense(50, "relu"),  # takes num_inducing and the prior from above
+        ...     GlobalInducingDense(1, output_layer=True),
+        ...     SampledHomoscedasticNoise(),
+        ... ])
+        >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledHeteroscedasticELL())
+        >>> initialize_from_data(model, x, y)
+        >>> model.fit(x, y, epochs=100)
     """
 
     data_rank = 2

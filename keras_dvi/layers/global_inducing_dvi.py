@@ -49,20 +49,19 @@ class GlobalInducingDenseDVI(GlobalInducingDense):
     Output shape:
         Packed `(batch, units + 1, units)`: the data rows' mean and covariance.
 
-    Example:
-
-    >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
-    >>> model = keras.Sequential([
-    ...     keras.Input((8,)),
-    ...     keras_dvi.InducingInputs(100),
-    ...     keras_dvi.DenseDiagDVI(50, "relu", regularizer=prior),
-    ...     keras_dvi.DenseDiagDVI(50, "relu", regularizer=prior),
-    ...     keras_dvi.GlobalInducingDenseDVI(1, num_inducing=100,
-    ...                                      regularizer=keras_dvi.NealPrior(len(x_train))),
-    ...     keras_dvi.HomoscedasticNoise(),
-    ... ])
-    >>> model.compile(keras.optimizers.Adam(1e-2), loss=keras_dvi.HeteroscedasticELL())
-    >>> keras_dvi.initialize_from_data(model, x_train, y_train)
+    Examples:
+        >>> prior = keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))
+        >>> model = keras.Sequential([
+        ...     keras.Input((8,)),
+        ...     keras_dvi.InducingInputs(100),
+        ...     keras_dvi.DenseDiagDVI(50, "relu", regularizer=prior),
+        ...     keras_dvi.DenseDiagDVI(50, "relu", regularizer=prior),
+        ...     keras_dvi.GlobalInducingDenseDVI(1, num_inducing=100,
+        ...                                      regularizer=keras_dvi.NealPrior(len(x_train))),
+        ...     keras_dvi.HomoscedasticNoise(),
+        ... ])
+        >>> model.compile(keras.optimizers.Adam(1e-2), loss=keras_dvi.HeteroscedasticELL())
+        >>> keras_dvi.initialize_from_data(model, x_train, y_train)
     """
 
     outputs_moments = True
@@ -110,7 +109,7 @@ class GlobalInducingDenseDVI(GlobalInducingDense):
         self.kl_term.set_head(kind == packing.DETERMINISTIC)
 
     def call(self, inputs, training=None):
-        if sampling.current_context() is not None:
+        if sampling.current_context(self) is not None:
             raise ValueError("GlobalInducingDenseDVI has no Monte Carlo form (`keras_dvi.weight_samples`); "
                              "its outputs are exact given its inputs' moments.")
         training = objective.resolve_training(training)

@@ -66,12 +66,11 @@ class HomoscedasticNoise(LearnedLogVariance):
     Output shape:
         The same form with `2 D` units: the `D` means, then the `D` log-variances.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((8,)), DenseDVI(50, "relu"), DenseDVI(1), HomoscedasticNoise(),
-    ... ])
-    >>> model.compile("adam", loss=HeteroscedasticELL())
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((8,)), DenseDVI(50, "relu"), DenseDVI(1), HomoscedasticNoise(),
+        ... ])
+        >>> model.compile("adam", loss=HeteroscedasticELL())
     """
 
     def build(self, input_shape):

@@ -32,17 +32,16 @@ class InducingInputs(keras.layers.Layer):
     Output shape:
         `(M + batch, ...)`, the inducing inputs first.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((8,)),
-    ...     keras_dvi.InducingInputs(100),
-    ...     keras_dvi.DenseMCVI(50, "relu", num_samples=10, regularizer=factorised_prior),
-    ...     keras_dvi.DenseMCVI(50, "relu", regularizer=factorised_prior),
-    ...     keras_dvi.GlobalInducingDense(1, output_layer=True, num_inducing=100,
-    ...                                   regularizer=keras_dvi.NealPrior(num_train=len(x))),
-    ...     keras_dvi.SampledHomoscedasticNoise(),
-    ... ])
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((8,)),
+        ...     keras_dvi.InducingInputs(100),
+        ...     keras_dvi.DenseMCVI(50, "relu", num_samples=10, regularizer=factorised_prior),
+        ...     keras_dvi.DenseMCVI(50, "relu", regularizer=factorised_prior),
+        ...     keras_dvi.GlobalInducingDense(1, output_layer=True, num_inducing=100,
+        ...                                   regularizer=keras_dvi.NealPrior(num_train=len(x))),
+        ...     keras_dvi.SampledHomoscedasticNoise(),
+        ... ])
     """
 
     def __init__(self, num_inducing, initializer=None, **kwargs):

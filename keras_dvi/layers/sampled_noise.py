@@ -28,10 +28,9 @@ class SampledHomoscedasticNoise(LearnedLogVariance):
         `(batch, samples, 2 D)`: the `D` function values, then the `D` log noise variances
         (the layout `SampledHeteroscedasticELL` reads).
 
-    Example:
-
-    >>> model = keras.Sequential([..., GlobalInducingDense(1, output_layer=True),
-    ...                           SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0)])
+    Examples:
+        >>> model = keras.Sequential([..., GlobalInducingDense(1, output_layer=True),
+        ...                           SampledHomoscedasticNoise(-3.0, log_variance_scale=10.0)])
     """
 
     outputs_moments = False  # weight samples

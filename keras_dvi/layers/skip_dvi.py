@@ -43,14 +43,13 @@ class SkipDVI(BayesianLayer):
         the covariance is diagonal: the outputs are then independent); `SkipDiagDVI`: the
         diagonal form `(batch, 2, width)`.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((1,)),
-    ...     DenseDVI(25),                     # linear: Gaussian pre-activations
-    ...     SkipDVI("relu"), SkipDVI("relu"),
-    ...     DenseDVI(1),
-    ... ])
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((1,)),
+        ...     DenseDVI(25),                     # linear: Gaussian pre-activations
+        ...     SkipDVI("relu"), SkipDVI("relu"),
+        ...     DenseDVI(1),
+        ... ])
     """
 
     _diagonal_output = False
@@ -137,11 +136,10 @@ class SkipDiagDVI(SkipDVI):
     Output shape:
         Packed `(batch, 2, width)`: means and variances.
 
-    Example:
-
-    >>> model = keras.Sequential(
-    ...     [keras.Input((1,)), DenseDiagDVI(50), SkipDiagDVI(), SkipDiagDVI(), DenseDiagDVI(1)]
-    ... )
+    Examples:
+        >>> model = keras.Sequential(
+        ...     [keras.Input((1,)), DenseDiagDVI(50), SkipDiagDVI(), SkipDiagDVI(), DenseDiagDVI(1)]
+        ... )
     """
 
     _diagonal_output = True

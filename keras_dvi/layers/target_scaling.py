@@ -35,16 +35,15 @@ class TargetScaling(KerasDVILayer):
     Output shape:
         The same.
 
-    Example:
-
-    >>> model = keras.Sequential([
-    ...     keras.Input((10,)),
-    ...     DenseDVI(50, "relu", regularizer=prior),
-    ...     DenseDVI(2, regularizer=prior),
-    ...     TargetScaling.from_targets(y_train),   # y_train in its own units
-    ... ])
-    >>> model.compile("adam", loss=HeteroscedasticELL())
-    >>> model.fit(x_train, y_train)
+    Examples:
+        >>> model = keras.Sequential([
+        ...     keras.Input((10,)),
+        ...     DenseDVI(50, "relu", regularizer=prior),
+        ...     DenseDVI(2, regularizer=prior),
+        ...     TargetScaling.from_targets(y_train),   # y_train in its own units
+        ... ])
+        >>> model.compile("adam", loss=HeteroscedasticELL())
+        >>> model.fit(x_train, y_train)
     """
 
     def __init__(self, mean=0.0, std=1.0, **kwargs):

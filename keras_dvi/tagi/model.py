@@ -86,16 +86,15 @@ class TAGIModel(keras.Model):
     `keras.callbacks.EarlyStopping(monitor="val_observation_nll", mode="min",
     restore_best_weights=True)`.
 
-    Example:
-
-    >>> network = keras.Sequential([
-    ...     keras.Input((13,)),
-    ...     keras_dvi.DenseDiagDVI(50, activation="relu"),
-    ...     keras_dvi.DenseDiagDVI(1),
-    ... ])
-    >>> model = keras_dvi.TAGIModel(network, observation_noise=0.3)
-    >>> model.compile()
-    >>> model.fit(x_train, y_train, batch_size=10, epochs=40)
+    Examples:
+        >>> network = keras.Sequential([
+        ...     keras.Input((13,)),
+        ...     keras_dvi.DenseDiagDVI(50, activation="relu"),
+        ...     keras_dvi.DenseDiagDVI(1),
+        ... ])
+        >>> model = keras_dvi.TAGIModel(network, observation_noise=0.3)
+        >>> model.compile()
+        >>> model.fit(x_train, y_train, batch_size=10, epochs=40)
     """
 
     def __init__(self, network, observation_noise=1.0, classes=None, forward="linearized", initialize=True,
@@ -313,9 +312,10 @@ class TAGIModel(keras.Model):
 
     # ---------------------------------------------------------------- predictions
 
-    def predictive(self, outputs, level=0.95):
+    def predictive_distribution(self, outputs, level=0.95):
         """The predictive distribution of packed outputs `model.predict(x)`, as NumPy arrays
-        (see the class docstring; `keras_dvi.predict` calls it)."""
+        (see the class docstring). `keras_dvi.predict` calls it: a model that defines
+        `predictive_distribution(outputs, level)` states its own predictive distribution."""
         mz, sz = (np.asarray(ops.convert_to_numpy(t), dtype="float64") for t in packing.split(ops.convert_to_tensor(outputs))[:2])
         if self.task == CLASSIFICATION:
             probs = np.asarray(ops.convert_to_numpy(tagi.class_probabilities(ops.convert_to_tensor(mz),
