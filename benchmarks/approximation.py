@@ -1,6 +1,6 @@
 """How good is the Gaussian approximation? The paper's Figure 3 / Appendix C as a script.
 
-    python benchmarks/approximation.py --out benchmarks/results/approximation.md
+    python -m benchmarks.approximation --out benchmarks/results/approximation.md
 
 For each network (width 5, 25, 125; depth 2 and 5 ReLU layers: plain `DenseDVI` stacks, or a
 linear `DenseDVI` followed by that many `SkipDVI` residual blocks; heteroscedastic 2-unit head; empirical Bayes) on the
@@ -100,7 +100,7 @@ def main(argv=None):
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"`python benchmarks/approximation.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
+            f.write(f"`python -m benchmarks.approximation {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

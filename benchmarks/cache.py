@@ -13,13 +13,19 @@ def cached(path, compute, announce=None):
         with open(path) as f:
             return json.load(f)
     record = compute()
+    write(path, record)
+    if announce is not None:
+        print(announce(record), flush=True)
+    return record
+
+
+def write(path, record):
+    """Writes `record` to `path` as JSON atomically: a run counts as done only once its record
+    is fully written."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
     os.replace(path + ".tmp", path)
-    if announce is not None:
-        print(announce(record), flush=True)
-    return record
 
 
 def device():

@@ -1,8 +1,8 @@
 """Classification benchmark after Ovadia et al. (2019), "Can you trust your model's uncertainty?",
 at a small scale: scikit-learn's digits.
 
-    python benchmarks/classification.py --jobs 2                  # every method, 5 splits
-    python benchmarks/classification.py --validation --methods dvi --kl-weight 0.1   # an ablation
+    python -m benchmarks.classification --jobs 2                  # every method, 5 splits
+    python -m benchmarks.classification --validation --methods dvi --kl-weight 0.1   # an ablation
 
 Protocol (fixed before any result was seen, the same for every method):
 
@@ -67,6 +67,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+
+from benchmarks import cache  # noqa: E402
 
 METHODS = ("mlp", "dropout", "ensemble", "ivon", "dvi", "ddvi", "mcvi", "gi", "cnn", "cnn_dvi", "cnn1d", "cnn1d_dvi")
 KERAS_DVI_METHODS = ("dvi", "ddvi", "mcvi", "cnn_dvi", "cnn1d_dvi")
@@ -472,10 +474,7 @@ def _worker(task):
     os.environ["TF_NUM_INTEROP_THREADS"] = "1"
     os.environ["TF_NUM_INTRAOP_THREADS"] = "1"
     record = run_one(method, split, args)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    cache.write(path, record)
     return record
 
 

@@ -1,9 +1,9 @@
 """The ablation behind the classifier defaults: which objective, prior, initialisation and body
 train a keras-dvi classifier on small data and short runs, measured on validation rows only.
 
-    python benchmarks/classifier_defaults.py --jobs 2                 # every variant, 3 data sets
-    python benchmarks/classifier_defaults.py --widths                 # the full ELBO and the defaults at other widths
-    python benchmarks/classifier_defaults.py --summary-only
+    python -m benchmarks.classifier_defaults --jobs 2                 # every variant, 3 data sets
+    python -m benchmarks.classifier_defaults --widths                 # the full ELBO and the defaults at other widths
+    python -m benchmarks.classifier_defaults --summary-only
 
 Each variant is a recipe of `benchmarks/classification.py` (its `--validation` protocol: 20% of
 each training split held out and scored, never a test split; splits 0-2; 64-100-100-10 on the
@@ -21,12 +21,9 @@ import glob
 import json
 import math
 import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import classification  # noqa: E402
+from benchmarks import classification  # noqa: E402
 
 #: `(name, classification.py arguments)`.
 #: `(name, classification.py arguments)`. The library's defaults: `kl_weight="auto"` (the KL

@@ -1,6 +1,6 @@
 """How close the conv layers' moments are to Monte Carlo of the network the user built (issue 25).
 
-    python benchmarks/conv_approximation.py --out benchmarks/results/conv_approximation.md
+    python -m benchmarks.conv_approximation --out benchmarks/results/conv_approximation.md
 
 For each network, input size and posterior variance scale (`scale / fan_in` for every kernel,
 a tenth of that for biases), the output means and variances of the keras-dvi network are
@@ -20,15 +20,12 @@ block (`AddDVI`); and a 1D network on smooth signals.
 import argparse
 import contextlib
 import os
-import sys
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from keras_dvi import conv_moments  # noqa: E402
 from tests.test_conv import (  # noqa: E402 - the networks the tests check
     _benchmark_cnn, _compare, _images, _issue_cnn, _residual_cnn, _set_variances, _signal_cnn, _signals)
@@ -79,7 +76,7 @@ def main(argv=None):
     text = "\n".join(lines)
     if args.out:
         with open(args.out, "w") as f:
-            f.write("`python benchmarks/conv_approximation.py`: medians over outputs and inputs; mean error in "
+            f.write("`python -m benchmarks.conv_approximation`: medians over outputs and inputs; mean error in "
                     "predictive standard deviations (Monte Carlo), variance ratio keras-dvi / Monte Carlo.\n\n"
                     + text + "\n")
 

@@ -9,7 +9,7 @@ batches of `--batch` (paper: 500), one weight draw per step (paper). Prints, per
 seconds per training step (median of `--steps` after one warm-up step) and the images per
 second.
 
-    python benchmarks/gi_resnet.py --batch 500 --inducing 500 --steps 3
+    python -m benchmarks.gi_resnet --batch 500 --inducing 500 --steps 3
 """
 
 import argparse

@@ -51,13 +51,12 @@ import math
 import multiprocessing
 import os
 import resource
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from classification import auroc, scores  # noqa: E402 - the same metrics as the digits benchmark
+from benchmarks import cache  # noqa: E402
+from benchmarks.classification import auroc, scores  # noqa: E402 - the same metrics as the digits benchmark
 
 METHODS = ("plain", "dropout", "ensemble", "flipout", "dvi", "dvi_elbo", "dvi_tempered", "dvi_delta", "dvi_ensemble", "mcvi",
            "dense100", "dense800", "dense100_tempered", "dense800_tempered", "dense100_plain", "dense800_plain")
@@ -316,10 +315,7 @@ def run_one(method, seed, args):
 def _worker(task):
     method, seed, args, path = task
     record = run_one(method, seed, args)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    cache.write(path, record)
     return record
 
 

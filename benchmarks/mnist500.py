@@ -30,21 +30,18 @@ Protocol (the paper's Appendix N and O where they say; fixed before any test sco
 Every (method, seed) runs in a fresh process and is cached as JSON in `--results`
 (`benchmarks/results/mnist500`); every run rewrites `summary.md` and `curves.png` there.
 
-Command: `python benchmarks/mnist500.py --data ../shared/data/mnist.npz`.
+Command: `python -m benchmarks.mnist500 --data ../shared/data/mnist.npz`.
 """
 
 import argparse
 import json
 import multiprocessing
 import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cache import cached  # noqa: E402
-from images import load_mnist  # noqa: E402
+from benchmarks.cache import cached  # noqa: E402
+from benchmarks.images import load_mnist  # noqa: E402
 
 METHODS = ["dvi-neal", "dvi-scale", "mcvi-neal", "mcvi-scale", "gi-neal", "gi-scale", "dvi-defaults"]
 TRAIN_ROWS = 500

@@ -1,6 +1,6 @@
 """Runtime benchmark: the paper's Figure 4 on this machine, plus whole-network training steps.
 
-    python benchmarks/runtime.py --out benchmarks/results/runtime.md
+    python -m benchmarks.runtime --out benchmarks/results/runtime.md
 
 1. Forward + backward time to propagate a batch of 10 through one `d x d` ReLU layer, for `d`
    from 16 to 1024: `DenseDVI` on a full-covariance input (the paper's setting: the layer
@@ -122,8 +122,7 @@ def cnn_times(rounds, steps, batch):
     plain network doing only the DVI CNN's convolutions (the floor of its cost), in
     interleaved rounds: each round times `steps` steps of every network; the median over rounds
     is reported, in seconds per step."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import images
+    from benchmarks import images
 
     import keras_dvi as kd
 
@@ -207,7 +206,7 @@ def cnn_main(args):
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"`python benchmarks/runtime.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+            f.write(f"`python -m benchmarks.runtime {' '.join(sys.argv[1:])}`\n\n{text}\n")
 
 
 def main(argv=None):
@@ -291,7 +290,7 @@ def main(argv=None):
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"`python benchmarks/runtime.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
+            f.write(f"`python -m benchmarks.runtime {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The defaults at the sizes Keras users build: 100,000 rows, two hidden layers of 500 units.
 
-    python benchmarks/scale.py            # both tasks, DVI defaults and a plain network, ~5 min
-    python benchmarks/scale.py --tasks classification --epochs 40 --results benchmarks/results/scale_40_epochs
+    python -m benchmarks.scale            # both tasks, DVI defaults and a plain network, ~5 min
+    python -m benchmarks.scale --tasks classification --epochs 40 --results benchmarks/results/scale_40_epochs
 
 Synthetic data from scikit-learn, so nothing is downloaded: `make_classification` (100,000
 rows, 20 features of which 10 informative, 5 classes, 5% label noise) and `make_friedman1`
@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-import cache  # noqa: E402  (benchmarks/ is the script's folder)
+from benchmarks import cache  # noqa: E402
 
 ROWS, TRAIN, WIDTH, EPOCHS, BATCH, LEARNING_RATE = 100_000, 80_000, 500, 10, 256, 1e-3
 

@@ -10,8 +10,8 @@ networks get by default, on a dense network), `cnn16` / `cnn32` conv 3x3 ("same"
 average pool 2 - flatten - dense 64 ReLU - 11 (the tree head of Appendix C). Reported:
 accuracy and NLL of `keras_dvi.predict`'s probabilities, seconds per epoch.
 
-    python benchmarks/tagi_digits.py --seeds 0 1 2
-    python benchmarks/tagi_digits.py --configs dense dense_cap dense32 dense32_cap --seeds 0 1 2 3 4 --validation --noise 0.1
+    python -m benchmarks.tagi_digits --seeds 0 1 2
+    python -m benchmarks.tagi_digits --configs dense dense_cap dense32 dense32_cap --seeds 0 1 2 3 4 --validation --noise 0.1
 """
 
 import argparse

@@ -41,24 +41,21 @@ Protocol (the paper's, section 4.2):
 Every (width, batch, seed) is cached as JSON in `--results` (per epoch budget), so an
 interrupted run resumes; each run rewrites `summary.md` there from every cached record.
 
-    python benchmarks/tagi_mnist.py --data ../shared/data/mnist.npz --widths 100 --batches 10 --seeds 0 1 2 3 4
-    KERAS_BACKEND=jax python benchmarks/tagi_mnist.py --data ../shared/data/mnist.npz --engine compiled --widths 800 --batches 1 --noise 0.1
-    python benchmarks/tagi_mnist.py --data ../shared/data/mnist.npz --timing
+    python -m benchmarks.tagi_mnist --data ../shared/data/mnist.npz --widths 100 --batches 10 --seeds 0 1 2 3 4
+    KERAS_BACKEND=jax python -m benchmarks.tagi_mnist --data ../shared/data/mnist.npz --engine compiled --widths 800 --batches 1 --noise 0.1
+    python -m benchmarks.tagi_mnist --data ../shared/data/mnist.npz --timing
 """
 
 import argparse
 import glob
 import json
 import os
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cache import cached, device  # noqa: E402
-from images import load_mnist  # noqa: E402
-from uci import tagi_initialize  # noqa: E402
+from benchmarks.cache import cached, device  # noqa: E402
+from benchmarks.images import load_mnist  # noqa: E402
+from benchmarks.uci import tagi_initialize  # noqa: E402
 
 NOISES = (0.1, 0.2, 0.3, 0.4)
 VALIDATION = 0.05

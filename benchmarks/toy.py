@@ -1,6 +1,6 @@
 """Toy benchmark: the main job's network with DVI / dDVI and empirical Bayes / fixed prior.
 
-Usage: python benchmarks/toy.py [--epochs 100] [--out benchmarks/results/toy.md]
+Usage: python -m benchmarks.toy [--epochs 100] [--out benchmarks/results/toy.md]
 Runs `python -m keras_dvi` in-process for the four combinations (same seed, same schedule)
 and writes a Markdown table of train/test log-likelihood, RMSE and training time.
 """

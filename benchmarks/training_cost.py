@@ -1,7 +1,7 @@
 """Training cost: time to the same accuracy, keras-dvi's default recipe against a plain network
 and a 5-member deep ensemble, on the digits benchmark's network (`classification.py`).
 
-    python benchmarks/training_cost.py                  # 3 splits, validation rows, ~15 min
+    python -m benchmarks.training_cost                  # 3 splits, validation rows, ~15 min
 
 Every method trains the 64-100-100-10 ReLU network of `classification.py` (Adam 3e-3, batches
 of 64, 100 epochs) on the training rows of a split less 20% held out (stratified), and is
@@ -29,8 +29,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-import cache  # noqa: E402  (benchmarks/ is the script's folder)
-import classification as bench  # noqa: E402
+from benchmarks import cache  # noqa: E402
+from benchmarks import classification as bench  # noqa: E402
 
 METHODS = ("mlp", "ensemble", "dvi", "dvi_elbo", "dvi_tempered")
 THRESHOLDS = (0.95, 0.96, 0.97)

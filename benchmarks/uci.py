@@ -1,6 +1,6 @@
 """UCI regression benchmark: DVI, dDVI, MCVI, hoDVI and global inducing points.
 
-    python benchmarks/uci.py --data ../shared/uci/boston ../shared/uci/yacht --jobs 2
+    python -m benchmarks.uci --data ../shared/uci/boston ../shared/uci/yacht --jobs 2
 
 Standard protocol (`../shared/uci/README.md`): every split (default all 20); inputs and target
 normalised with the training split's statistics; test log-likelihood and RMSE reported in the
@@ -47,7 +47,7 @@ an error, not reused); `--jobs 2` runs two splits at a time (one process
 per job, one thread each). On a GPU, several jobs share it (each process takes GPU memory as
 it needs it, not all of it up front), e.g. the paper's whole global inducing recipe:
 
-    KERAS_BACKEND=jax python benchmarks/uci.py --jobs 12 --methods gi --gi-prior standard \
+    KERAS_BACKEND=jax python -m benchmarks.uci --jobs 12 --methods gi --gi-prior standard \
         --gi-precision per_unit --inducing all --gi-batch 10000 --gi-steps 10000 \
         --results benchmarks/results/uci_gi_paper_recipe --data ../shared/uci/energy
 
@@ -64,16 +64,13 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cache  # noqa: E402  (benchmarks/ is the script's folder)
+from benchmarks import cache  # noqa: E402
 
 METHODS = ("dvi", "ddvi", "mcvi", "hodvi", "gi", "facgi", "dvigi", "tagi")
 
@@ -668,10 +665,7 @@ def _worker(task):
     os.environ["TF_NUM_INTEROP_THREADS"] = "1"
     os.environ["TF_NUM_INTRAOP_THREADS"] = "1"
     record = run_one(folder, method, split, args)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)  # a split counts as done only once fully written
+    cache.write(path, record)
     return record
 
 

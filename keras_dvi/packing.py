@@ -226,3 +226,24 @@ def unpack(outputs, covariance="auto"):
     elif covariance == "diagonal" and kind == FULL:
         second = ops.diagonal(second, axis1=-2, axis2=-1)
     return mean, second
+
+
+# ---------------------------------------------------------------- stamps on symbolic tensors
+
+#: The attribute of a symbolic tensor naming the keras-dvi layer that produced it.
+PRODUCER = "keras_dvi_producer"
+
+
+def producer_of(tensor):
+    """The keras-dvi layer that produced the symbolic tensor `tensor`, or `None`."""
+    return getattr(tensor, PRODUCER, None)
+
+
+#: The attribute of a symbolic tensor counting the inducing rows that `InducingInputs` put
+#: before its batch (so that the first layer checks `num_train` against the data rows only).
+INDUCING_ROWS = "keras_dvi_inducing_rows"
+
+
+def inducing_rows_of(tensor):
+    """The number of inducing rows before the batch of the symbolic tensor `tensor` (0 if none)."""
+    return getattr(tensor, INDUCING_ROWS, 0)

@@ -398,9 +398,7 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         >>> out = keras_dvi.predict(model, x_test)
         >>> out["mean"], out["std"], out["lower"], out["upper"]
     """
-    from keras_dvi.layers import boundary
-
-    boundary.check_structure(model)
+    validation.check_structure(model)
     own = getattr(model, "predictive_distribution", None)
     if callable(own):  # a model that states its own (`TAGIModel`: fixed noise, the binary tree)
         return own(model.predict(x, batch_size=batch_size, verbose=0), level=level)

@@ -1,5 +1,9 @@
-"""Checks of arguments and input values: clear errors for bad numbers, shapes, labels, NaN/inf,
-negative variances and asymmetric covariances. Every module checks its inputs through here.
+"""Every check of keras-dvi, in one place: clear errors for bad arguments, shapes, labels,
+NaN/inf, negative variances and asymmetric covariances, and for models that misuse keras-dvi
+layers (a plain Keras layer reading packed moments, Keras' own losses and metrics on keras-dvi
+outputs: `check_structure`, `check_compiled_model`). Every module checks through here; the
+warnings about a training step's hand-off (`keras_dvi.objective`) are the one exception, since
+they read its record.
 
 Shapes are always checked (they are static). Values are checked whenever they are concrete
 (eager calls: `model(x)`, `layer(x)`, `loss(y, y_pred)`), at the cost of one pass over the
@@ -11,14 +15,19 @@ round trip to the host), and under JAX, which has no assertions, the loss become
 output variances (`check_packed_variances`): one reduction over the small output, so that a
 plain layer after the last keras-dvi layer gives a NaN loss rather than a silently wrong one.
 Misplaced plain layers are also refused before any step runs, from the model's structure
-(`keras_dvi.layers.boundary`).
+(the stamps `keras_dvi.layers.boundary` puts on symbolic tensors).
 """
 
+import functools
+import types
 import warnings
 
 import keras
 import numpy as np
 from keras import ops
+
+from keras_dvi import network, objective
+from keras_dvi.packing import producer_of
 
 
 def _concrete(x):
@@ -276,3 +285,212 @@ def check_packed_variances(mean, variance, where, validate=False):
     # A scalar NaN added to the mean (not a `where` over the whole tensor: one pass forward and
     # none backward, where the select cost two passes each way in every layer of a CNN step).
     return mean + ops.cast(ops.where(ok, 0.0, float("nan")), mean.dtype)
+
+
+# ---------------------------------------------------------------- the model: plain layers reading moments
+
+
+def plain_readers(model):
+    """`[(plain layer, keras-dvi layer)]`: the plain Keras layers of `model` (a functional or
+    `Sequential` model; nested models included) whose input is the packed moments of a
+    keras-dvi layer, each with that layer. Read from the stamps of the symbolic graph (a
+    subclassed model has none: `[]`)."""
+    found = []
+    for layer in network.layers_of(model):
+        if hasattr(layer, "takes_packed") or isinstance(layer, (keras.Model, keras.layers.Identity)):  # keras-dvi's
+            # own layers, nested models and identities (which change nothing) read packed moments legitimately
+            continue
+        try:
+            inputs = layer.input
+        except (AttributeError, ValueError):  # never called on a symbolic tensor
+            continue
+        producers = [producer_of(t) for t in keras.tree.flatten(inputs)]
+        producers = [p for p in producers if p is not None and p.outputs_moments]
+        if producers:
+            found.append((layer, producers[0]))
+    return found
+
+
+def check_structure(model):
+    """Refuses a plain Keras layer that reads keras-dvi moments in `model` (`plain_readers`),
+    with a `ValueError` naming it, the layer it reads and the fix."""
+    readers = plain_readers(model)
+    if not readers:
+        return
+    plain, producer = readers[0]
+    raise ValueError(
+        f"Layer {type(plain).__name__} {plain.name!r} of model {model.name!r} reads the output of "
+        f"{type(producer).__name__} {producer.name!r}, which is keras-dvi's packed means and "
+        "(co)variances, not activations: a plain Keras layer treats those rows as numbers and the "
+        "model's predictions and loss would be silently wrong. Remove it, or use the keras-dvi layer "
+        "for the job: keras-dvi layers take each other's outputs directly, apply their own "
+        "activation (`activation=`) and model weight noise themselves (no Dropout needed); "
+        "`keras_dvi.FlattenDVI` / `AddDVI` / `MaxPooling2DDVI` replace Flatten / Add / MaxPooling2D "
+        "after keras-dvi conv layers; a keras-dvi layer ends the model (read its output with "
+        "`keras_dvi.predict` or `keras_dvi.unpack`). Plain layers are welcome before the first "
+        "keras-dvi layer."
+    )
+
+
+def check_running_models(layer):
+    """Called by a network's first keras-dvi layer outside a symbolic build: checks the models
+    running it (the one stepped by `fit` / `evaluate`, else those whose `call` is on the Python
+    call stack: an eager `model(x)`, `predict`), once per model and size. In a step of `fit` /
+    `evaluate` it also refuses Keras' own losses and metrics (`check_compiled_model`)."""
+    stepping = objective.stepping_model()
+    models = [stepping] if stepping is not None else objective.calling_models()
+    checked = getattr(layer, "_checked_structure", ())
+    for model in models:
+        key = (id(model), len(model.layers))
+        if key not in checked:
+            check_structure(model)
+            checked = checked + (key,)
+            layer._checked_structure = checked
+    if stepping is not None:
+        check_compiled_model(layer, stepping)
+
+
+# ---------------------------------------------------------------- the model's compiled loss and metrics
+
+_FIX = (
+    "Keras losses and metrics read the packed output (mean and (co)variance rows, or weight "
+    "samples) as if it were a prediction. Use keras-dvi's: the loss `keras_dvi.HeteroscedasticELL()` "
+    "(regression) or `keras_dvi.SoftmaxDeltaELL()` (classification) (`SampledHeteroscedasticELL` / "
+    "`SampledSoftmaxELL` for sampled layers), and the metrics `keras_dvi.metrics.PredictiveMSE()`, "
+    "`PredictiveLogLikelihood()` or `MeanLogitAccuracy()`. (A custom function that reads the "
+    "moments with `keras_dvi.unpack` is welcome.)"
+)
+
+
+def is_keras_builtin(entry, kind):
+    """Whether `entry`, a loss (`kind="loss"`) or metric (`"metric"`) as given to `compile` or
+    serialised (`keras.saving.serialize_keras_object`), is one of Keras' own: a name such as
+    `"mse"` or `"accuracy"`, a Keras function, or a Keras class not wrapping a user function."""
+    if entry is None:
+        return False
+    getter = keras.losses.get if kind == "loss" else keras.metrics.get
+    if isinstance(entry, str):
+        if entry in ("accuracy", "acc", "crossentropy", "ce"):  # names only `compile` resolves
+            return True
+        try:
+            found = getter(entry)
+        except (ValueError, TypeError):
+            return False
+        module = getattr(found, "__module__", "") if callable(found) else type(found).__module__
+        return module.startswith("keras.")
+    if isinstance(entry, (types.FunctionType, functools.partial)):  # a Keras function, or a user's
+        function = entry.func if isinstance(entry, functools.partial) else entry
+        return str(getattr(function, "__module__", "")).startswith("keras.")
+    if not isinstance(entry, dict):
+        try:
+            entry = keras.saving.serialize_keras_object(entry)
+        except Exception:  # noqa: BLE001 - an object Keras cannot serialise is not Keras' own
+            return False
+        return isinstance(entry, dict) and is_keras_builtin(entry, kind)
+    if entry.get("class_name") == "function":  # functions are serialised by name only
+        return is_keras_builtin(entry.get("config"), kind)
+    if not str(entry.get("module", "")).startswith("keras."):
+        return False
+    config = entry.get("config")
+    wrapped = config.get("fn") if isinstance(config, dict) else None
+    return wrapped is None or is_keras_builtin(wrapped, kind)
+
+
+def _entries(value):
+    """The losses or metrics in one `compile` argument's value, as a flat list (a serialised
+    object, a dict with a `class_name`, is one entry)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [entry for item in value for entry in _entries(item)]
+    if isinstance(value, dict) and "class_name" not in value:
+        return [entry for item in value.values() for entry in _entries(item)]
+    return [value]
+
+
+def _per_output(value, names):
+    """A `compile` argument (`loss`, `metrics`, ...) as one list of entries per output name:
+    keyed by output name, one item per output, or one value for every output."""
+    if isinstance(value, dict) and "class_name" not in value:
+        return {name: _entries(value.get(name)) for name in names}
+    if isinstance(value, (list, tuple)) and len(names) > 1 and len(value) == len(names):
+        return {name: _entries(item) for name, item in zip(names, value)}
+    return {name: _entries(value) for name in names}
+
+
+def _compiled_metrics(model):
+    """`{"metrics": ..., "weighted_metrics": ...}` as given to `compile` (serialised), or
+    `None` where the config cannot be read (inside the symbolic build of a JAX step, whose
+    optimizer state is not readable yet)."""
+    try:
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            with tf.init_scope():  # the optimizer's config reads its learning rate eagerly
+                config = model.get_compile_config()
+        else:
+            config = model.get_compile_config()
+    except Exception:  # noqa: BLE001 - any failure to serialise: fall back to the built metrics
+        return None
+    return {argument: config.get(argument) for argument in ("metrics", "weighted_metrics")}
+
+
+def _built_metrics(model):
+    """The metrics `compile` gave the model, as Keras built them (`[]` before the first step;
+    which output each reads is not public)."""
+    return [metric for found in model.metrics if getattr(found, "name", None) == "compile_metrics"
+            for metric in found.metrics]
+
+
+def _label(entry):
+    if isinstance(entry, dict):  # serialised
+        return entry.get("config") if entry.get("class_name") == "function" else entry.get("class_name")
+    return entry if isinstance(entry, str) else getattr(entry, "name", None) or getattr(entry, "__name__", repr(entry))
+
+
+def check_compiled_model(layer, model):
+    """Refuses Keras' own losses and metrics on the keras-dvi outputs of `model`, the model being
+    trained or evaluated (`keras_dvi.objective.stepping_model`), naming them and the keras-dvi
+    replacement: a `ValueError` for a functional or `Sequential` model, whose outputs' producers
+    are known, and a warning for a subclassed one (its outputs cannot be traced to their
+    layers). Checked once per compiled step function; `layer` is the network's first keras-dvi
+    layer."""
+    key = (id(model), id(model.train_function), id(model.test_function))
+    if getattr(layer, "_checked_compile", None) == key:
+        return
+    try:
+        outputs = keras.tree.flatten(model.outputs)
+    except (AttributeError, ValueError):  # a subclassed model
+        outputs = None
+    if outputs is None:
+        names, ours, known = ["output"], {"output": layer}, False
+    else:
+        names = list(getattr(model, "output_names", None) or [f"output_{i}" for i in range(len(outputs))])
+        ours = {name: producer_of(tensor) for name, tensor in zip(names, outputs) if producer_of(tensor) is not None}
+        known = True
+    refused = []
+    arguments = [("loss", model.loss, "loss")]
+    metrics = _compiled_metrics(model)
+    if metrics is not None:
+        arguments += [(argument, value, "metric") for argument, value in metrics.items()]
+    elif len(ours) == len(names):  # every output is keras-dvi's: any built Keras metric reads one
+        arguments.append(("metrics", _built_metrics(model), "metric"))
+    for argument, value, kind in arguments:
+        for name, entries in _per_output(value, names).items():
+            builtins = [_label(entry) for entry in entries if name in ours and is_keras_builtin(entry, kind)]
+            if builtins:
+                refused.append((f"{argument}={builtins[0]!r}" if kind == "loss" else f"{argument}={builtins}", ours[name]))
+                break
+    if not refused or not known:  # an error is raised again at the next step; a warning is not
+        layer._checked_compile = key
+    for argument, producer in refused[:1]:
+        message = (
+            f"`model.compile({argument})` gives Keras' own loss or metric to the keras-dvi output "
+            + (f"of layer {type(producer).__name__} {producer.name!r}" if known else
+               f"of model {model.name!r} (whose first keras-dvi layer is {producer.name!r})")
+            + f". {_FIX}"
+        )
+        if known:
+            raise ValueError(message)
+        warnings.warn(message + " (This subclassed model's outputs cannot be traced to their layers: if "
+                      "its output is not a keras-dvi output, ignore this warning.)", UserWarning, stacklevel=2)

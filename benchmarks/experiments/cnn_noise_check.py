@@ -1,6 +1,6 @@
 """Is the DVI CNN's over-confidence on uniform noise its posterior or its moment approximation?
 
-    python benchmarks/experiments/cnn_noise_check.py --data ../shared/data/mnist.npz --epochs 20
+    python -m benchmarks.experiments.cnn_noise_check --data ../shared/data/mnist.npz --epochs 20
 
 Trains `benchmarks/images.py`'s DVI CNN (the library's defaults, Adam 1e-3, batches of 128,
 seed 0) for `--epochs` on MNIST, then scores 300 test digits and 300 uniform-noise images
@@ -28,16 +28,12 @@ CNN, sharing every kernel weight across positions, cannot have (BENCHMARKS.md: r
 """
 
 import argparse
-import os
-import sys
 import time
 import warnings
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
-import images  # noqa: E402
-from classification import auroc, entropy  # noqa: E402 - the benchmarks' own metrics
+from benchmarks import images  # noqa: E402
+from benchmarks.classification import auroc, entropy  # noqa: E402 - the benchmarks' own metrics
 
 
 #: `--network` -> `images.keras_dvi_cnn`'s method.

@@ -6,7 +6,7 @@ inducing points), and against the same 2 x 50 network factorised (`DenseMCVI`, 1
 draws a step) and plain (Keras `Dense`, mean squared error) with `--baselines`. The paper
 trains 10,000 steps; the script prints the step time and what 10,000 steps and 20 splits take.
 
-    python benchmarks/experiments/gi_paper_recipe_cost.py --data ../shared/uci/yacht ../shared/uci/power --baselines
+    python -m benchmarks.experiments.gi_paper_recipe_cost --data ../shared/uci/yacht ../shared/uci/power --baselines
 
 Full batches (every training row in every step, as the paper's 10,000-row batches are for
 these sets); the first `--warmup` steps (tracing) are not timed.
@@ -14,11 +14,8 @@ these sets); the first `--warmup` steps (tracing) are not timed.
 
 import argparse
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import uci  # noqa: E402
+from benchmarks import uci  # noqa: E402
 
 
 def step_seconds(folder, network, steps, warmup, precision="shared", inducing=100):

@@ -7,20 +7,17 @@ test score: per split (the run with the lowest `final_loss`) and per data set (t
 the lowest mean `final_loss`). Prints each folder's test log-likelihood, the two choices', and
 how often each folder was chosen. Only splits cached in every folder count.
 
-    python benchmarks/uci.py --methods facgi --gi-prior standard --gi-lr 3e-3 --results runs/lr_3e-3 --data ../shared/uci/energy
-    python benchmarks/uci.py --methods facgi --gi-prior standard --gi-lr 1e-2 --results runs/lr_1e-2 --data ../shared/uci/energy
-    python benchmarks/experiments/select_by_elbo.py --label facgi_standard --results runs/lr_3e-3 runs/lr_1e-2
+    python -m benchmarks.uci --methods facgi --gi-prior standard --gi-lr 3e-3 --results runs/lr_3e-3 --data ../shared/uci/energy
+    python -m benchmarks.uci --methods facgi --gi-prior standard --gi-lr 1e-2 --results runs/lr_1e-2 --data ../shared/uci/energy
+    python -m benchmarks.experiments.select_by_elbo --label facgi_standard --results runs/lr_3e-3 runs/lr_1e-2
 """
 
 import argparse
 import math
 import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
-import uci  # noqa: E402 - the UCI benchmark's cache layout
+from benchmarks import uci  # noqa: E402
 
 
 def paired_splits(folders, label):

@@ -5,19 +5,16 @@ test scores compared. `--guard shrink`: the variance guard `keras_dvi.tagi.maths
 the paper; on against off). `--guard cap`: the update cap `max_step=1` (the conv networks'
 default, off for dense ones) against no cap.
 
-    python benchmarks/experiments/tagi_guard_check.py --data ../shared/uci/kin8nm --splits 0 1 2
-    python benchmarks/experiments/tagi_guard_check.py --guard cap --data ../shared/uci/yacht --splits 0
+    python -m benchmarks.experiments.tagi_guard_check --data ../shared/uci/kin8nm --splits 0 1 2
+    python -m benchmarks.experiments.tagi_guard_check --guard cap --data ../shared/uci/yacht --splits 0
 """
 
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
-import uci  # noqa: E402
+from benchmarks import uci  # noqa: E402
 
 
 def main(argv=None):

@@ -11,8 +11,8 @@ the best `sigma_V` and the gain over the chosen one. No test row is read. Record
 refined search (`--tagi-noise-search refine`, the default since) hold more points: only the
 grid's are read here, and "chosen" is the grid's choice.
 
-    python benchmarks/experiments/tagi_noise_grid.py                     # every data set cached
-    python benchmarks/experiments/tagi_noise_grid.py --results benchmarks/results/uci --datasets power
+    python -m benchmarks.experiments.tagi_noise_grid                     # every data set cached
+    python -m benchmarks.experiments.tagi_noise_grid --results benchmarks/results/uci --datasets power
 """
 
 import argparse
@@ -21,12 +21,9 @@ import glob
 import json
 import math
 import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
-from uci import TAGI_NOISES  # noqa: E402 - the grid uci.py searches first
+from benchmarks.uci import TAGI_NOISES  # noqa: E402 - the grid uci.py searches first
 
 
 def fit_gaussian_score(s1, ll1, s2, ll2):

@@ -6,17 +6,13 @@ batch order), and prints the log-likelihood and RMSE of the *training* rows (ori
 for each `max_step`. Test rows are never read: this separates an unstable fit from test rows
 unlike the training rows.
 
-    python benchmarks/experiments/tagi_seeds.py --data ../shared/uci/yacht --splits 4 3 --noise 0.05 --seeds 0 1 2 3 4 5
+    python -m benchmarks.experiments.tagi_seeds --data ../shared/uci/yacht --splits 4 3 --noise 0.05 --seeds 0 1 2 3 4 5
 """
 
 import argparse
-import os
-import sys
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the harnesses
-import uci  # noqa: E402 - the UCI benchmark's data layout and scores
+from benchmarks import uci  # noqa: E402
 
 
 def main(argv=None):

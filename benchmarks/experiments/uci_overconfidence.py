@@ -1,6 +1,6 @@
 """Where a UCI split's test log-likelihood goes: DVI trained for several step budgets.
 
-    python benchmarks/experiments/uci_overconfidence.py --data ../shared/uci/wine --split 8 --steps 6000 24000
+    python -m benchmarks.experiments.uci_overconfidence --data ../shared/uci/wine --split 8 --steps 6000 24000
 
 Trains the `dvi` network of `benchmarks/uci.py` (same recipe, seeds and minibatch stream;
 KL warm-up over the first half of each budget) and prints, per budget: the training objective
@@ -13,10 +13,8 @@ comes from a few over-confident ones (BENCHMARKS.md, "Boston and wine").
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(argv=None):

@@ -11,8 +11,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import inducing, objective, priors, validation
-from keras_dvi.layers import boundary
+from keras_dvi import inducing, objective, packing, priors, validation
 from keras_dvi.layers.boundary import KerasDVILayer
 from keras_dvi.layers.kl_term import KLTerm
 
@@ -103,7 +102,7 @@ class GlobalInducingLayer(KerasDVILayer):
     def upstream_layer(inputs):
         """The keras-dvi layer that produced `inputs` (a symbolic tensor of a functional or
         `Sequential` model), or `None`."""
-        return boundary.producer_of(inputs)
+        return packing.producer_of(inputs)
 
     @property
     def num_train(self):

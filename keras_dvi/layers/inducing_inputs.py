@@ -4,7 +4,7 @@ factorised-to-global networks (Ober & Aitchison 2021, "fac -> gi")."""
 import keras
 from keras import ops
 
-from keras_dvi.layers.boundary import INDUCING_ROWS
+from keras_dvi.packing import INDUCING_ROWS
 from keras_dvi.layers.global_inducing_base import positive_int
 
 

@@ -8,7 +8,7 @@ from keras import ops
 
 from keras_dvi import conv_moments, moments, packing
 from keras_dvi.layers.base import apply_activation
-from keras_dvi.layers.boundary import producer_of
+from keras_dvi.packing import producer_of
 from keras_dvi.layers.feature_map import MapLayer, integers, output_size, per_sample
 from keras_dvi.layers.feature_map import padding as _padding
 
