@@ -339,15 +339,54 @@ def check_running_models(layer):
     `evaluate` it also refuses Keras' own losses and metrics (`check_compiled_model`)."""
     stepping = objective.stepping_model()
     models = [stepping] if stepping is not None else objective.calling_models()
-    checked = getattr(layer, "_checked_structure", ())
+    done = _checks_done(layer)
     for model in models:
-        key = (id(model), len(model.layers))
-        if key not in checked:
+        if not any(_is_same(key, (model, len(model.layers))) for key in done.structures):
             check_structure(model)
-            checked = checked + (key,)
-            layer._checked_structure = checked
+            done.structures.append(_key(model, len(model.layers)))
     if stepping is not None:
         check_compiled_model(layer, stepping)
+
+
+class _ChecksDone:
+    """What a layer has checked already (a plain object: Keras does not track its contents).
+    Models and compiled functions are held by weak reference and compared by identity, never by
+    `id()`, which a new object can reuse once the old one is gone."""
+
+    def __init__(self):
+        self.structures, self.compiled = [], None
+
+
+def _checks_done(layer):
+    done = layer.__dict__.get("_keras_dvi_checks_done")
+    if done is None:
+        done = _ChecksDone()
+        object.__setattr__(layer, "_keras_dvi_checks_done", done)
+    return done
+
+
+def _key(*objects):
+    """Weak references to `objects` (other values, such as a layer count, kept as they are)."""
+    import weakref
+
+    def ref(value):
+        try:
+            return weakref.ref(value)
+        except TypeError:  # None, numbers
+            return lambda value=value: value
+
+    return tuple(ref(value) for value in objects)
+
+
+def _is_same(key, objects):
+    """Whether `key` (`_key`) refers to exactly `objects` (identity; equality for plain values)."""
+    if key is None or len(key) != len(objects):
+        return False
+    for ref, value in zip(key, objects):
+        held = ref()
+        if held is not value and not (isinstance(value, (int, type(None))) and held == value):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- the model's compiled loss and metrics
@@ -455,8 +494,9 @@ def check_compiled_model(layer, model):
     are known, and a warning for a subclassed one (its outputs cannot be traced to their
     layers). Checked once per compiled step function; `layer` is the network's first keras-dvi
     layer."""
-    key = (id(model), id(model.train_function), id(model.test_function))
-    if getattr(layer, "_checked_compile", None) == key:
+    done = _checks_done(layer)
+    current = (model, model.train_function, model.test_function)
+    if _is_same(done.compiled, current):
         return
     try:
         outputs = keras.tree.flatten(model.outputs)
@@ -482,7 +522,7 @@ def check_compiled_model(layer, model):
                 refused.append((f"{argument}={builtins[0]!r}" if kind == "loss" else f"{argument}={builtins}", ours[name]))
                 break
     if not refused or not known:  # an error is raised again at the next step; a warning is not
-        layer._checked_compile = key
+        done.compiled = _key(*current)
     for argument, producer in refused[:1]:
         message = (
             f"`model.compile({argument})` gives Keras' own loss or metric to the keras-dvi output "

@@ -86,6 +86,9 @@ def _check_api_reference(site):
         assert '<span class="gp">&gt;&gt;&gt; </span>' in html or name in ("index", "maths"), f"{name}: no example"
         assert not [text for text in BUILTIN_DOCSTRINGS if text in html], name
         assert "<code>required</code>" not in html and "<em>required</em>" not in html, name
+    with open(site / "api" / "dense" / "index.html") as f:  # arguments passed on in **kwargs show their defaults
+        dense = re.sub(r"<[^>]+>", "", f.read())
+    assert "use_bias=True" in dense and "regularizer=None" in dense
     objects = {}
     for page in pages:
         with open(page) as f:

@@ -436,3 +436,17 @@ def test_every_public_layer_is_at_most_three_classes_below_keras_layer():
             if between > 3:
                 deep[name] = [c.__name__ for c in obj.__mro__[1:between + 1]]
     assert deep == {}
+
+
+def test_signatures_list_the_arguments_passed_on_to_the_posterior():
+    """`help()`, IDEs and the API reference show `BayesianLayer`'s arguments with their defaults
+    on every layer that passes them on in `**kwargs`; calls and configs are unchanged."""
+    import inspect
+
+    for cls in (DenseDVI, DenseDiagDVI, SkipDVI, keras_dvi.DenseMCVI, keras_dvi.Conv2DDVI, keras_dvi.Conv1DMCVI):
+        parameters = inspect.signature(cls.__init__).parameters
+        assert parameters["use_bias"].default is True and parameters["regularizer"].default is None, cls
+        assert parameters["use_bias"].kind == inspect.Parameter.KEYWORD_ONLY
+    layer = DenseDVI(3, "relu", use_bias=False, validate=True)
+    assert not layer.use_bias and layer.validate
+    assert DenseDVI.from_config(layer.get_config()).get_config() == layer.get_config()

@@ -6,6 +6,7 @@ forward pass used by `keras_dvi.predict_samples`, and configuration. Subclasses 
 `_moments(mean, second, kind)` with the pure functions of `keras_dvi.moments`.
 """
 
+import inspect
 import math
 import warnings
 
@@ -18,6 +19,24 @@ from keras_dvi.layers.kl_term import KLTerm
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.03
+
+
+def _show_base_arguments(cls):
+    """Gives `cls.__init__` (if it passes `**kwargs` on to `BayesianLayer`) a signature that also
+    lists `BayesianLayer`'s arguments with their defaults, keyword-only: what `help()`, IDEs and
+    the API reference show. Calls are unchanged (the arguments still travel in `**kwargs`)."""
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return
+    signature = inspect.signature(init)
+    own = list(signature.parameters.values())
+    if not own or own[-1].kind != inspect.Parameter.VAR_KEYWORD:
+        return
+    names = {p.name for p in own}
+    base = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(BayesianLayer.__init__).parameters.values()
+            if p.name not in names and p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    init.__signature__ = signature.replace(parameters=own[:-1] + base + own[-1:])
 
 
 class BayesianLayer(KerasDVILayer):
@@ -42,6 +61,10 @@ class BayesianLayer(KerasDVILayer):
             per step).
         **kwargs: base `keras.layers.Layer` arguments (`name`, `dtype`, `trainable`).
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _show_base_arguments(cls)
 
     def __init__(
         self,
