@@ -366,30 +366,32 @@ def _checks_done(layer):
 
 
 def _key(*objects):
-    """Weak references to `objects` (other values, such as a layer count, kept as they are)."""
+    """`objects` as weak references (plain values, such as a layer count or `None`, kept as
+    they are), for `_is_same`."""
     import weakref
 
-    def ref(value):
+    key = []
+    for value in objects:
         try:
-            return weakref.ref(value)
+            key.append(("ref", weakref.ref(value)))
         except TypeError:  # None, numbers
-            return lambda value=value: value
-
-    return tuple(ref(value) for value in objects)
+            key.append(("value", value))
+    return tuple(key)
 
 
 def _is_same(key, objects):
-    """Whether `key` (`_key`) refers to exactly `objects` (identity; equality for plain values)."""
+    """Whether `key` (`_key`) refers to exactly `objects`: the same objects (identity; an object
+    that is gone matches nothing) and equal plain values."""
     if key is None or len(key) != len(objects):
         return False
-    for ref, value in zip(key, objects):
-        held = ref()
-        if held is not value and not (isinstance(value, (int, type(None))) and held == value):
+    for (kind, held), value in zip(key, objects):
+        if kind == "ref":
+            if held() is None or held() is not value:
+                return False
+        elif not (type(held) is type(value) and held == value):
             return False
     return True
 
-
-# ---------------------------------------------------------------- the model's compiled loss and metrics
 
 _FIX = (
     "Keras losses and metrics read the packed output (mean and (co)variance rows, or weight "

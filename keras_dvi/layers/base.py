@@ -2,8 +2,11 @@
 
 `BayesianLayer` owns the variational posterior `q(W) q(b)` (independent Gaussians, stored as
 means and log standard deviations), its initialisation and introspection, the sampling
-forward pass used by `keras_dvi.predict_samples`, and configuration. Subclasses implement
-`_moments(mean, second, kind)` with the pure functions of `keras_dvi.moments`.
+forward pass used by `keras_dvi.predict_samples`, and configuration; its part of the training
+objective is a composed `keras_dvi.layers.kl_term.KLTerm` (`layer.kl_term`). Subclasses
+implement `_moments(mean, second, kind)` with the pure functions of `keras_dvi.moments`.
+`DenseBase` is the dense family's base; `SampledWeights` gives the Monte Carlo layers their
+weight draws by composition.
 """
 
 import inspect
