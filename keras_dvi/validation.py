@@ -21,6 +21,7 @@ Misplaced plain layers are also refused before any step runs, from the model's s
 import functools
 import types
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -368,8 +369,6 @@ def _checks_done(layer):
 def _key(*objects):
     """`objects` as weak references (plain values, such as a layer count or `None`, kept as
     they are), for `_is_same`."""
-    import weakref
-
     key = []
     for value in objects:
         try:

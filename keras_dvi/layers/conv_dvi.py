@@ -55,6 +55,13 @@ class ConvArguments:
                 f"convolutions); received strides={strides!r}, dilation_rate={dilation_rate!r}."
             )
 
+    def attach(self, layer):
+        """Holds these arguments in `layer.conv` and sets them as its attributes, as Keras'
+        convolutions have them (`layer.filters`, `layer.kernel_size`, ...)."""
+        layer.conv = self
+        for name, value in self.config().items():
+            setattr(layer, name, value)
+
     def config(self):
         return {"filters": self.filters, "kernel_size": self.kernel_size, "strides": self.strides,
                 "padding": self.padding, "data_format": self.data_format, "dilation_rate": self.dilation_rate}
@@ -162,9 +169,7 @@ class ConvDVI(BayesianLayer):
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
                  activation=None, **kwargs):
         super().__init__(activation=activation, **kwargs)
-        self.conv = ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate)
-        for name, value in self.conv.config().items():
-            setattr(self, name, value)
+        ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate).attach(self)
 
     from_conv = classmethod(from_conv)
 

@@ -16,9 +16,7 @@ class ConvMCVI(BayesianLayer):
                  activation=None, num_samples=10, seed=None, **kwargs):
         super().__init__(activation=activation, **kwargs)
         self.sampler = SampledWeights(self, num_samples, seed)
-        self.conv = ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate)
-        for name, value in self.conv.config().items():
-            setattr(self, name, value)
+        ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate).attach(self)
 
     from_conv = classmethod(from_conv)
 
