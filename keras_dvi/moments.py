@@ -108,6 +108,15 @@ def normal_cdf(x):
     return 0.5 * ops.erfc(-x * _SQRT_HALF)
 
 
+def normal_cdf_pair(x):
+    """`(Phi(x), Phi(-x))`, both accurate in their tails, from one `erfc`: the smaller of the
+    two is `Phi(-|x|)` and the other its complement (which is then at least 1/2)."""
+    tail = 0.5 * ops.erfc(ops.abs(x) * _SQRT_HALF)
+    rest = 1.0 - tail
+    positive = x > 0
+    return ops.where(positive, rest, tail), ops.where(positive, tail, rest)
+
+
 def safe_exp(x, limit=60.0):
     """`exp(x)` for `x <= limit`, continued linearly (with matching slope) above it.
 
@@ -206,12 +215,13 @@ def _relu_moments_and_slope(mean, variance):
     derivative. Checked against finite differences in `tests/test_moments.py`."""
     std = _safe_std(variance)
     mu = _standardise(mean, std)
-    pdf, cdf = normal_pdf(mu), normal_cdf(mu)
+    mu2 = ops.square(mu)
+    pdf = ops.exp(-0.5 * mu2) * (1.0 / _SQRT_2PI)
+    cdf, upper = normal_cdf_pair(mu)  # Phi(mu), Q = Phi(-mu)
     mean_h = std * pdf + mean * cdf
-    # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2, with Q = Phi(-mu): each term is
-    # accurate in both tails (the leading 1 or the leading tail term dominates).
-    upper = normal_cdf(-mu)
-    ratio = ops.maximum(cdf + ops.square(mu) * cdf * upper + mu * pdf * (upper - cdf) - ops.square(pdf), 0.0)
+    # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2: each term is accurate in both tails
+    # (the leading 1 or the leading tail term dominates).
+    ratio = ops.maximum(cdf + mu * (mu * cdf * upper + pdf * (upper - cdf)) - ops.square(pdf), 0.0)
 
     def grad(*upstream):
         if len(upstream) == 1:  # JAX passes the outputs' cotangents as one tuple
@@ -250,9 +260,8 @@ def _relu_derivative(mean, variance):
 
 def _heaviside_moments(mean, variance):
     # Bernoulli(Phi(mu)).
-    mu = _standardise(mean, _safe_std(variance))
-    cdf = normal_cdf(mu)
-    return cdf, cdf * normal_cdf(-mu)
+    cdf, upper = normal_cdf_pair(_standardise(mean, _safe_std(variance)))
+    return cdf, cdf * upper
 
 
 def _heaviside_derivative(mean, variance):
