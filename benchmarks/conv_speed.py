@@ -188,8 +188,7 @@ def network_times(rounds, layers=True):
             for system, model in models.items():
                 cuts = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
                 heads = {f"{system} {i:02d} {layer.name}": _cut(model, layer) for i, layer in enumerate(cuts)}
-                cut_times = interleaved({name: (lambda m=m, x=x: m.predict_on_batch(x)) for name, m in heads.items()},
-                                        max(3, rounds // 2))
+                cut_times = interleaved({name: (lambda f=f, x=x: f(x)) for name, f in heads.items()}, max(3, rounds // 2))
                 layers += [{"system": system, "layer": name.split(" ", 2)[2],
                             "type": type(layer).__name__, "seconds": cut_times[name]}
                            for name, layer in zip(heads, cuts)]
@@ -198,13 +197,23 @@ def network_times(rounds, layers=True):
 
 
 def _cut(model, layer):
-    """`model` up to `layer`, its output summed per example: the time to compute the layer's
-    output without the copy of a large result to NumPy that `predict_on_batch` makes."""
+    """A compiled prediction of `model` up to `layer`, its output summed: the time to compute
+    the layer's output without the copy of a large result to NumPy that `predict_on_batch`
+    makes (the sum is outside the model: keras-dvi refuses a plain layer on its outputs)."""
     import keras
     from keras import ops
 
-    total = keras.layers.Lambda(lambda t: ops.sum(ops.reshape(t, (ops.shape(t)[0], -1)), axis=1))
-    return keras.Model(model.inputs, total(layer.output))
+    head = keras.Model(model.inputs, layer.output)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def total(trainable, non_trainable, x):
+            return ops.sum(head.stateless_call(trainable, non_trainable, x, training=False)[0])
+
+        step = jax.jit(total)
+        return lambda x: step([v.value for v in head.trainable_variables],
+                              [v.value for v in head.non_trainable_variables], x)
+    return compiled(lambda x: ops.sum(head(x, training=False)))
 
 
 def operation_times(rounds):
