@@ -163,7 +163,9 @@ def compiled(fn):
     return tf.function(fn)
 
 
-def network_times(rounds, layers=True):
+def network_times(rounds, layers=True, networks=tuple(NETWORKS)):
+    """Prediction and training-step times, plain and keras-dvi, of each of `networks`, and with
+    `layers` the MNIST convnet's layer by layer."""
     import warnings
 
     import keras
@@ -171,7 +173,8 @@ def network_times(rounds, layers=True):
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for network, spec in NETWORKS.items():
+        for network in networks:
+            spec = NETWORKS[network]
             x, _ = data(network, spec["predict"])
             xt, yt = data(network, spec["train"], seed=1)
             models = {system: build(network, system) for system in ("plain", "dvi")}
@@ -184,15 +187,15 @@ def network_times(rounds, layers=True):
             if not layers or network != "mnist_convnet":  # (ResNet-20's 60 cuts: minutes of tracing)
                 continue
             # Layer by layer (prediction, cumulative).
-            layers = []
+            cut_rows = []
             for system, model in models.items():
                 cuts = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
                 heads = {f"{system} {i:02d} {layer.name}": _cut(model, layer) for i, layer in enumerate(cuts)}
                 cut_times = interleaved({name: (lambda f=f, x=x: f(x)) for name, f in heads.items()}, max(3, rounds // 2))
-                layers += [{"system": system, "layer": name.split(" ", 2)[2],
-                            "type": type(layer).__name__, "seconds": cut_times[name]}
-                           for name, layer in zip(heads, cuts)]
-            rows[-1]["layers"] = layers
+                cut_rows += [{"system": system, "layer": name.split(" ", 2)[2],
+                              "type": type(layer).__name__, "seconds": cut_times[name]}
+                             for name, layer in zip(heads, cuts)]
+            rows[-1]["layers"] = cut_rows
     return rows
 
 
@@ -314,7 +317,8 @@ def memory_worker(network, system, mode):
 # ------------------------------------------------------------------------------------------
 
 
-def _set_threads(threads):
+def set_threads(threads):
+    """Fixes TensorFlow's thread pools (JAX's are fixed by `XLA_FLAGS` before it starts)."""
     import keras
 
     if keras.backend.backend() == "tensorflow":
@@ -340,7 +344,7 @@ def worker(args):
 
     import keras_dvi
 
-    _set_threads(args.threads)
+    set_threads(args.threads)
     if args.memory_case:
         record = memory_worker(*args.memory_case.split(","))
     else:

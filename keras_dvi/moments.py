@@ -215,8 +215,7 @@ def _relu_moments_and_slope(mean, variance):
     derivative. Checked against finite differences in `tests/test_moments.py`."""
     std = _safe_std(variance)
     mu = _standardise(mean, std)
-    mu2 = ops.square(mu)
-    pdf = ops.exp(-0.5 * mu2) * (1.0 / _SQRT_2PI)
+    pdf = normal_pdf(mu)
     cdf, upper = normal_cdf_pair(mu)  # Phi(mu), Q = Phi(-mu)
     mean_h = std * pdf + mean * cdf
     # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2: each term is accurate in both tails

@@ -372,6 +372,18 @@ def test_linear_moments_match_monte_carlo(structure, full_output):
     _assert_moments_match_mc(samples, to_numpy(mean_a)[0], cov)
 
 
+def test_normal_cdf_pair_matches_scipy_in_both_tails(floatx):
+    """`(Phi(x), Phi(-x))` from one `erfc`: each relatively accurate where it is tiny (the tail
+    is never taken as 1 minus a number near 1), the two summing to 1. The tolerance is float32
+    `erfc`'s own relative error out to tails of 1e-33 (x = 12; 1e-5 there)."""
+    x = np.r_[np.linspace(-37.0, 37.0, 741), -1e-9, 0.0, 1e-9] if floatx == "float64" else np.linspace(-12.0, 12.0, 241)
+    lower, upper = (to_numpy(t) for t in moments.normal_cdf_pair(keras.ops.convert_to_tensor(x, floatx)))
+    rtol = 1e-13 if floatx == "float64" else 2e-5
+    np.testing.assert_allclose(lower, stats.norm.cdf(x), rtol=rtol, atol=0.0)
+    np.testing.assert_allclose(upper, stats.norm.sf(x), rtol=rtol, atol=0.0)
+    np.testing.assert_allclose(lower + upper, 1.0, rtol=0.0, atol=4 * np.finfo(floatx).eps)
+
+
 # ------------------------------------------------------------------ Owen's T
 
 

@@ -25,29 +25,17 @@ VARIANTS = ("graph", "xla elementwise", "xla elementwise and convolutions")
 
 
 def network(variant, rounds):
-    import warnings
-
     import tensorflow as tf
 
     from benchmarks import conv_speed
     from keras_dvi import conv_moments
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    conv_speed.set_threads(1)
     names = {"graph": (), "xla elementwise": ("activation_moments", "max_pool_moments"),
              "xla elementwise and convolutions": ("activation_moments", "max_pool_moments", "conv_moments")}[variant]
     for name in names:  # (the layers look these functions up in the module at call time)
         setattr(conv_moments, name, tf.function(getattr(conv_moments, name), jit_compile=True, autograph=False))
-    x, _ = conv_speed.data("mnist_convnet", 1024)
-    xt, yt = conv_speed.data("mnist_convnet", 128, seed=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        models = {system: conv_speed.build("mnist_convnet", system) for system in ("plain", "dvi")}
-    times = conv_speed.interleaved({
-        "plain predict": lambda: models["plain"].predict_on_batch(x),
-        "dvi predict": lambda: models["dvi"].predict_on_batch(x),
-        "plain train": lambda: models["plain"].train_on_batch(xt, yt),
-        "dvi train": lambda: models["dvi"].train_on_batch(xt, yt)}, rounds)
+    (times,) = conv_speed.network_times(rounds, layers=False, networks=("mnist_convnet",))
     print(f"| {variant} | {times['dvi predict'] / times['plain predict']:.1f}x | "
           f"{times['dvi train'] / times['plain train']:.1f}x |", flush=True)
 
@@ -60,7 +48,7 @@ def separable(rounds):
     from benchmarks import conv_speed
     from keras_dvi import conv_moments
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    conv_speed.set_threads(1)
     rng = np.random.default_rng(0)
     shape = (1024, 26, 26, 32)
     m = tf.constant(rng.uniform(-1, 1, shape).astype("float32"))
