@@ -284,6 +284,3 @@ class SampledSoftmaxELL(_ValidatingLoss):
         _report(nll, ops.mean(ops.exp(log_p), axis=1))
         return nll
 
-
-# Files saved by 0.1.0.dev0 name this loss by its former name; they load as the same class.
-keras.saving.get_custom_objects()["keras_dvi>SampledGaussianELL"] = SampledHeteroscedasticELL

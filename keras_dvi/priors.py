@@ -163,9 +163,7 @@ class KLSettings:
 
     @classmethod
     def from_config(cls, config):
-        # A config without `kl_weight` comes from a file saved before the priors had one: its
-        # network trained the ELBO, and keeps it (the default became "auto" later).
-        return cls(**{"kl_weight": 1.0, **config})
+        return cls(**config)
 
 
 class PriorRegularizer(KLSettings):

@@ -54,10 +54,6 @@ class KerasDVILayer(keras.layers.Layer):
         layer), or `None` if the layer cannot tell."""
         return None
 
-    def load_own_variables(self, store):
-        if self.kl_term is None or not self.kl_term.load(store):
-            super().load_own_variables(store)
-
     def takes_packed(self, shape):
         """Whether an input of `shape` is a keras-dvi tensor (packed moments or weight samples)
         rather than data: 3-D for the dense layers; conv and pooling layers say for their

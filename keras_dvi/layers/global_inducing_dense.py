@@ -94,15 +94,6 @@ class GlobalInducingDense(GlobalInducingLayer):
 
     data_rank = 2
 
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        if "prior" in config or "num_train" in config:  # a file saved by 0.1.0.dev0, before `regularizer`
-            prior = priors.get_weight_prior(config.pop("prior", None) or "neal")
-            num_train = config.pop("num_train", None)
-            config["regularizer"] = prior if num_train is None else prior.with_num_train(num_train)
-        return super().from_config(config)
-
     def _build_shapes(self, data_shape):
         self.fan_in = int(data_shape[-1])
         self.weight_rows = self.fan_in + 1

@@ -58,22 +58,6 @@ class KLTerm:
         elif not is_head:
             self.tracker = None
 
-    def load(self, store):
-        """Loads the layer's variables from `store`, also from files saved before the schedule's
-        variables existed: without `kl_step` (the first keras-dvi 0.1.0.dev0 files; it then
-        starts at 0) or without `kl_warmup_length` (files saved before the `"auto"` warm-up;
-        it is then planned at the next training step). Returns `False` for a current file,
-        which the layer loads as Keras does."""
-        layer = self.layer
-        variables = layer.weights  # the order Keras saves them in (no sub-layers here)
-        missing = len(variables) - len(store.keys())
-        if missing not in (1, 2):
-            return False
-        kept = variables[:-2] + ([layer.kl_step] if missing == 1 else [])
-        for i, variable in enumerate(kept):
-            variable.assign(store[f"{i}"])
-        return True
-
     # ---------------------------------------------------------------- the weight w_t
 
     def schedule(self):
