@@ -26,8 +26,9 @@ networks without gradients. The public API, by topic:
 * training without gradients: `TAGIModel` (module `tagi`);
 * `convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
   means;
-* the maths: modules `moments` (dense layers), `conv_moments` (feature maps), `inducing`
-  (global inducing posteriors), `tagi.maths`; `datasets` (the bundled toy data set, the UCI reader `load_uci`).
+* the maths, package `maths`: modules `moments` (dense layers), `conv_moments` (feature maps),
+  `inducing` (global inducing posteriors), `tagi` (also `keras_dvi.moments`, ... and
+  `keras_dvi.tagi.maths`); `datasets` (the bundled toy data set, the UCI reader `load_uci`).
 """
 
 __version__ = "0.1.0"
@@ -69,7 +70,7 @@ _EXPORTS = {
     "SpatialIWPrior": "keras_dvi.priors",
     "initialize_from_data": "keras_dvi.global_inducing",
     "predict_samples": "keras_dvi.predictive",
-    "set_sampling_seed": "keras_dvi.sampling",
+    "set_sampling_seed": "keras_dvi.predictive",
     "HeteroscedasticELL": "keras_dvi.losses",
     "SoftmaxDeltaELL": "keras_dvi.losses",
     "EmpiricalBayesRegularizer": "keras_dvi.priors",
@@ -82,9 +83,10 @@ _EXPORTS = {
     "TAGIModel": "keras_dvi.tagi",
     "datasets": None,
     "metrics": None,
-    "moments": None,
-    "conv_moments": None,
-    "inducing": None,
+    "maths": None,
+    "moments": "keras_dvi.maths",
+    "conv_moments": "keras_dvi.maths",
+    "inducing": "keras_dvi.maths",
     "predictive": None,
     "priors": None,
     "tagi": None,
@@ -113,6 +115,11 @@ def __dir__():
 if sys.argv[:1] != ["-m"]:
     for _name in _EXPORTS:
         __getattr__(_name)
+    # The maths modules' import paths of 0.1.0 (`import keras_dvi.moments`, ...) name the same
+    # modules in `keras_dvi.maths`.
+    for _name in ("moments", "conv_moments", "inducing"):
+        sys.modules.setdefault(f"keras_dvi.{_name}", globals()[_name])
+    sys.modules.setdefault("keras_dvi.tagi.maths", globals()["maths"].tagi)
     del _name
 
 __all__ = [*_EXPORTS, "__version__"]

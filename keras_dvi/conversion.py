@@ -5,7 +5,7 @@ import keras
 import numpy as np
 
 from keras_dvi import layers as dvi
-from keras_dvi import moments
+from keras_dvi.maths import moments
 
 #: Plain layers and their keras-dvi counterparts (layers without weights).
 _POOLING = {

@@ -10,7 +10,8 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import moments, objective, packing, validation
+from keras_dvi import objective, packing, validation
+from keras_dvi.maths import moments
 
 _LOG_2PI = math.log(2.0 * math.pi)
 

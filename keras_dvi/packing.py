@@ -17,7 +17,7 @@ thing); a feature map has one or two spatial axes more. A layer also accepts a d
 
 from keras import ops
 
-from keras_dvi import moments
+from keras_dvi.maths import moments
 
 DETERMINISTIC = "deterministic"
 DIAGONAL = "diagonal"

@@ -4,7 +4,9 @@
   epistemic and aleatoric parts, intervals; or class probabilities, labels and entropy), for
   every kind of keras-dvi model.
 * `predict_samples(model, x, num_samples)`: output samples `(n, num_samples, units)` of any
-  keras-dvi model (the Monte Carlo reference over the weights for moment networks).
+  keras-dvi model (for moment networks the Monte Carlo reference over the weights,
+  `weight_samples`, which runs the layers inside a `keras_dvi.sampling.sampling_scope`);
+  `set_sampling_seed` restarts the draws of Monte Carlo layers.
 * The predictive distributions behind them, as functions of a model's output: regression
   (Wu et al. 2019, eq. 9: `y ~ N(E[m], S_mm + exp(E[l] + S_ll / 2))`, the variance split into
   an epistemic part `S_mm` and an aleatoric part `exp(E[l] + S_ll / 2)`), class probabilities
@@ -23,7 +25,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import losses, moments, packing, sampling, validation
+from keras_dvi import losses, network, packing, sampling, validation
+from keras_dvi.maths import moments
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -280,6 +283,126 @@ def sampled_class_probabilities(samples):
 # ---------------------------------------------------------------- models
 
 
+def _sampled_call(model, x, context):
+    """Calls `model` on `x` with every layer sampling under `context`."""
+    with sampling.sampling_scope(model, context):
+        return model(x, training=False)
+
+
+def _largest_kernel(model):
+    sizes = [
+        math.prod(v.shape)
+        for v in getattr(model, "weights", [])
+        if len(v.shape) >= 2
+    ]
+    return max(sizes, default=1)
+
+
+#: Channels assumed per input value when sizing chunks for image inputs (feature maps grow
+#: with the channels of the conv layers).
+_MAP_GROWTH = 64
+
+
+def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
+    """Output samples of `model` under weights drawn from the variational posterior.
+
+    Every keras-dvi layer draws its kernel and bias from its factorised Gaussian posterior,
+    independently per sample, the same weights for every row of `x` (so each sample is one
+    function), and applies the activation deterministically. Samples are drawn in chunks to
+    bound memory.
+
+    Args:
+        model: a keras-dvi layer or a `keras.Model` whose layers are keras-dvi layers
+            (deterministic preprocessing layers before the first keras-dvi layer are fine).
+        x: deterministic inputs, array or tensor of shape `(batch, features)` (a conv network's:
+            `(batch, *spatial, channels)`).
+        num_samples: number of weight draws (positive integer).
+        seed: integer seed for reproducibility, or `None`.
+        chunk_size: weight draws per forward pass; default keeps each sampled kernel under
+            about 25 million numbers.
+
+    Returns:
+        NumPy array of shape `(batch, num_samples, units)` (a feature map's:
+        `(batch, num_samples, *spatial, channels)`): the output pre-activations or
+        activations of the last layer, as the deterministic layers describe them.
+
+    Examples:
+        >>> samples = keras_dvi.predict_samples(model, x, num_samples=20000, seed=0)
+        >>> mc_mean, mc_var = samples.mean(1), samples.var(1)
+    """
+    if int(num_samples) != num_samples or num_samples < 1:
+        raise ValueError(
+            f"Argument `num_samples` must be a positive integer; received {num_samples!r}."
+        )
+    x = ops.convert_to_tensor(x)
+    if len(x.shape) < 2:
+        raise ValueError(
+            "Argument `x` must be deterministic inputs of shape (batch, features) (conv networks: "
+            f"(batch, *spatial, channels)); received shape {tuple(x.shape)}. Sample Gaussian inputs "
+            "yourself and pass them as rows."
+        )
+    validation.check_finite(x, "x")
+    if chunk_size is None:
+        per_sample = _largest_kernel(model)
+        if len(x.shape) > 2:  # feature maps: the activations dominate
+            per_sample = max(per_sample, math.prod(x.shape) * _MAP_GROWTH)
+        chunk_size = max(1, int(2.5e7 // per_sample))
+    elif int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(
+            f"Argument `chunk_size` must be a positive integer or None; received {chunk_size!r}."
+        )
+    generator = keras.random.SeedGenerator(seed)
+    chunks = []
+    remaining = int(num_samples)
+    while remaining > 0:
+        size = min(int(chunk_size), remaining)
+        out = ops.convert_to_numpy(_sampled_call(model, x, sampling.SamplingContext(size, generator)))
+        if out.ndim < 3 or out.shape[0] != size:
+            raise ValueError(
+                "Monte Carlo over the weights needs a model built from keras-dvi layers: its output had "
+                f"shape {out.shape}, expected (samples, batch, units)."
+            )
+        chunks.append(out)
+        remaining -= size
+    return np.swapaxes(np.concatenate(chunks, axis=0), 0, 1)
+
+
+def sampling_layer(model):
+    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
+    setting: `GlobalInducingDense`, `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`), or `None` for a
+    moment-propagating model."""
+    for layer in network.layers_of(model):
+        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
+            return layer
+    return None
+
+
+def set_sampling_seed(model, seed):
+    """Restarts the weight draws of every sampling layer of `model` (`GlobalInducingDense`,
+    `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`) from `seed`.
+
+    Seed generator states are not part of a saved `.keras` file; after `set_sampling_seed`
+    with the same seed, a model and its saved-and-loaded copy draw the same weights, so
+    `model.predict` returns the same numbers.
+
+    Args:
+        model: a Keras model with sampling layers.
+        seed: integer seed.
+
+    Examples:
+        >>> keras_dvi.set_sampling_seed(model, 0)
+        >>> first = model.predict(x_test)
+        >>> keras_dvi.set_sampling_seed(model, 0)
+        >>> np.testing.assert_array_equal(first, model.predict(x_test))
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"Argument `seed` must be an integer; received {seed!r}.")
+    layers = [layer for layer in network.layers_of(model) if hasattr(layer, "seed_generator")]
+    for i, layer in enumerate(layers):
+        state = layer.seed_generator.state
+        layer.seed_generator.state.assign(np.array([seed + 7919 * i, 0], dtype=state.dtype))
+
+
 def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None):
     """Output samples of any keras-dvi model, as a NumPy array `(n, num_samples, units)`.
 
@@ -314,18 +437,18 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         >>> mc_mean, mc_var = samples.mean(axis=1), samples.var(axis=1)
     """
     num_samples = validation.positive_integer("num_samples", num_samples)
-    first = sampling.sampling_layer(model)
+    first = sampling_layer(model)
     if first is None:
         if batch_size is None:
-            return sampling.weight_samples(model, x, num_samples, seed=seed)
+            return weight_samples(model, x, num_samples, seed=seed)
         batch_size = validation.positive_integer("batch_size", batch_size)
         if seed is None:  # one seed for every batch: each sample is one function on all rows
             seed = int(np.random.default_rng().integers(2**31 - 1))
         x = np.asarray(x)
-        return np.concatenate([sampling.weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
+        return np.concatenate([weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
                                for i in range(0, len(x), batch_size)], axis=0)
     if seed is not None:
-        sampling.set_sampling_seed(model, seed)
+        set_sampling_seed(model, seed)
     previous = first.num_samples
     first.num_samples = num_samples
     model.predict_function = None  # retrace with the new sample count
@@ -404,7 +527,7 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         return own(model.predict(x, batch_size=batch_size, verbose=0), level=level)
     task = _task(model, task)
     quantile = central_quantile(level) if task == REGRESSION else None  # checks `level`
-    sampled = sampling.sampling_layer(model) is not None
+    sampled = sampling_layer(model) is not None
     if sampled:
         y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
     else:

@@ -4,11 +4,14 @@ the docs pages runs as written.
 
 Each Markdown file's ```python blocks run in order in one namespace (a page is read top to
 bottom), in a temporary working directory, with Keras' global settings restored afterwards.
-Examples train on the bundled toy data or scikit-learn's small data sets, so they run in
-seconds.
+Examples train on the bundled toy data or scikit-learn's small data sets. Here `fit` runs at
+most `EXAMPLE_EPOCHS` of the epochs an example asks for: the test proves that every example
+runs as written (every call, argument and printed shape); what they print at their full
+budget is what the benchmarks measure (BENCHMARKS.md).
 """
 
 import glob
+import inspect
 import os
 import re
 import subprocess
@@ -22,6 +25,8 @@ PAGES = ["README.md"] + sorted(
     os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True)
 )
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+#: The most epochs `fit` runs in an example under test (`test_examples_run`).
+EXAMPLE_EPOCHS = 2
 
 
 def python_blocks(page):
@@ -50,6 +55,15 @@ def keras_settings():
 def test_examples_run(page, tmp_path, monkeypatch, keras_settings):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    fit = keras.Model.fit
+    signature = inspect.signature(fit)
+
+    def short_fit(*args, **kwargs):  # the example's own call, with at most EXAMPLE_EPOCHS epochs
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["epochs"] = min(bound.arguments.get("epochs", 1), EXAMPLE_EPOCHS)
+        return fit(*bound.args, **bound.kwargs)
+
+    monkeypatch.setattr(keras.Model, "fit", short_fit)
     namespace = {"__name__": "__docs__"}
     for line, code in python_blocks(page):
         exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102 - the page's own code

@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 
 import keras_dvi
-from keras_dvi import DenseDiagDVI, DenseDVI, SkipDiagDVI, SkipDVI, predict_samples, sampling, unpack
+from keras_dvi import (
+    DenseDiagDVI,
+    DenseDVI,
+    SkipDiagDVI,
+    SkipDVI,
+    predict_samples,
+    predictive,
+    unpack,
+)
 from tests.conftest import model_gradients, to_numpy
 
 LAYER_FACTORIES = {
@@ -269,7 +277,7 @@ def test_predict_samples_of_a_moment_network_errors_and_reproducibility():
         predict_samples(model, x, 0)
     with pytest.raises(ValueError, match="x"):
         predict_samples(model, np.zeros((2, 3, 3), "float32"), 5)
-    a = sampling.weight_samples(model, x, 50, seed=3, chunk_size=7)
+    a = predictive.weight_samples(model, x, 50, seed=3, chunk_size=7)
     b = predict_samples(model, x, 50, seed=3)
     c = predict_samples(model, x, 50, seed=4)
     assert a.shape == b.shape == (5, 50, 1)
@@ -418,6 +426,16 @@ def test_public_api():
         assert getattr(keras_dvi, name) is not None, name
     for name in ("KLWarmup", "SampledGaussianELL", "sample_outputs"):
         assert not hasattr(keras_dvi, name), name
+    # the maths lives in `keras_dvi.maths`; 0.1.0's module paths name the same modules
+    import importlib
+
+    for old_path, module in (("keras_dvi.moments", keras_dvi.maths.moments),
+                             ("keras_dvi.conv_moments", keras_dvi.maths.conv_moments),
+                             ("keras_dvi.inducing", keras_dvi.maths.inducing),
+                             ("keras_dvi.tagi.maths", keras_dvi.maths.tagi)):
+        assert importlib.import_module(old_path) is module, old_path
+    assert keras_dvi.moments is keras_dvi.maths.moments and keras_dvi.tagi.maths is keras_dvi.maths.tagi
+    from keras_dvi.tagi.maths import tree  # noqa: F401 (an import of 0.1.0 user code)
 
 
 def test_every_public_layer_is_at_most_three_classes_below_keras_layer():

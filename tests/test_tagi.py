@@ -13,7 +13,7 @@ from scipy import stats
 
 import keras_dvi as kd
 from keras_dvi import tagi
-from keras_dvi.tagi import steps as tagi_steps
+from keras_dvi.maths import tagi as tagi_maths
 
 
 def _tensor(a, dtype="float64"):
@@ -342,16 +342,16 @@ def test_conv_update_matches_the_papers_equations(name, forward):
     for layer in layers:
         if layer[0] == "conv":
             kernel = (layer[3],) * 2 if isinstance(layer[3], int) else layer[3]
-            steps.append(tagi_steps.ConvStep(layer[1], kernel[1:] if one_d else kernel, layer[2]))
+            steps.append(tagi_maths.ConvStep(layer[1], kernel[1:] if one_d else kernel, layer[2]))
         elif layer[0] == "pool":
             k = (layer[1],) * 2 if isinstance(layer[1], int) else layer[1]
-            steps.append(tagi_steps.AveragePoolStep(k[1:] if one_d else k))
+            steps.append(tagi_maths.AveragePoolStep(k[1:] if one_d else k))
         elif layer[0] == "gap":
-            steps.append(tagi_steps.GlobalAveragePoolStep())
+            steps.append(tagi_maths.GlobalAveragePoolStep())
         elif layer[0] == "flatten":
-            steps.append(tagi_steps.FlattenStep())
+            steps.append(tagi_maths.FlattenStep())
         else:
-            steps.append(tagi_steps.DenseStep(layer[1]))
+            steps.append(tagi_maths.DenseStep(layer[1]))
     tensors = []
     for (mw, sw, mb, sb), conv in zip(params, [l for l in layers if l[0] in ("conv", "dense")]):
         k = (lambda w: w[0]) if (one_d and conv[0] == "conv") else (lambda w: w)

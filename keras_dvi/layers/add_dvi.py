@@ -2,9 +2,10 @@
 
 import keras
 
-from keras_dvi import conv_moments, moments, packing, sampling
+from keras_dvi import packing, sampling
 from keras_dvi.layers.base import apply_activation
 from keras_dvi.layers.feature_map import MapLayer, to_channels_last
+from keras_dvi.maths import conv_moments, moments
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

@@ -16,9 +16,10 @@ import warnings
 import keras
 from keras import ops
 
-from keras_dvi import moments, objective, packing, priors, sampling, validation
+from keras_dvi import objective, packing, priors, sampling, validation
 from keras_dvi.layers.boundary import KerasDVILayer
 from keras_dvi.layers.kl_term import KLTerm
+from keras_dvi.maths import moments
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.03

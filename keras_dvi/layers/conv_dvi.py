@@ -7,7 +7,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import conv_moments, packing, validation
+from keras_dvi import packing, validation
 from keras_dvi.layers.base import BayesianLayer, apply_activation
 from keras_dvi.layers.feature_map import (
     PADDINGS,
@@ -20,6 +20,8 @@ from keras_dvi.layers.feature_map import (
     standardize_data_format,
     to_channels_last,
 )
+from keras_dvi.maths import conv_moments
+
 
 class ConvArguments:
     """Keras' `Conv1D` / `Conv2D` arguments of a Bayesian convolution and what follows from

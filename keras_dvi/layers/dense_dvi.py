@@ -2,8 +2,9 @@
 
 import keras
 
-from keras_dvi import moments, packing
+from keras_dvi import packing
 from keras_dvi.layers.base import DenseBase
+from keras_dvi.maths import moments
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

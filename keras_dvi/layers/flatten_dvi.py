@@ -5,8 +5,9 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import conv_moments, packing
+from keras_dvi import packing
 from keras_dvi.layers.feature_map import MapLayer
+from keras_dvi.maths import conv_moments
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

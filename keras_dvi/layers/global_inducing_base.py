@@ -11,9 +11,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import inducing, objective, packing, priors, validation
+from keras_dvi import objective, packing, priors, validation
 from keras_dvi.layers.boundary import KerasDVILayer
 from keras_dvi.layers.kl_term import KLTerm
+from keras_dvi.maths import inducing
 
 #: Appendix H of Ober & Aitchison: the log precisions are stored divided by this factor (and
 #: multiplied back in the forward pass), so Adam moves them this much faster.

@@ -5,9 +5,9 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import conv_moments, inducing
 from keras_dvi.layers import feature_map
 from keras_dvi.layers.global_inducing_base import GlobalInducingLayer
+from keras_dvi.maths import conv_moments, inducing
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

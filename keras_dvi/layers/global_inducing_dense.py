@@ -3,8 +3,8 @@
 import keras
 from keras import ops
 
-from keras_dvi import inducing, priors
 from keras_dvi.layers.global_inducing_base import GlobalInducingLayer
+from keras_dvi.maths import inducing
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

@@ -3,8 +3,9 @@
 import keras
 from keras import ops
 
-from keras_dvi import inducing, objective, packing, sampling
+from keras_dvi import objective, packing, sampling
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
+from keras_dvi.maths import inducing
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -110,7 +111,7 @@ class GlobalInducingDenseDVI(GlobalInducingDense):
 
     def call(self, inputs, training=None):
         if sampling.current_context(self) is not None:
-            raise ValueError("GlobalInducingDenseDVI has no Monte Carlo form (`keras_dvi.weight_samples`); "
+            raise ValueError("GlobalInducingDenseDVI has no Monte Carlo form (`keras_dvi.predict_samples`); "
                              "its outputs are exact given its inputs' moments.")
         training = objective.resolve_training(training)
         mean, second, kind = packing.split(inputs)

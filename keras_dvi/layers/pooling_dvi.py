@@ -6,11 +6,12 @@ import warnings
 import keras
 from keras import ops
 
-from keras_dvi import conv_moments, moments, packing
+from keras_dvi import packing
 from keras_dvi.layers.base import apply_activation
-from keras_dvi.packing import producer_of
 from keras_dvi.layers.feature_map import MapLayer, integers, output_size, per_sample
 from keras_dvi.layers.feature_map import padding as _padding
+from keras_dvi.maths import conv_moments, moments
+from keras_dvi.packing import producer_of
 
 
 def _pooling_arguments(layer, pool_size, strides, padding):

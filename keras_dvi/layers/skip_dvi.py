@@ -3,8 +3,9 @@
 import keras
 from keras import ops
 
-from keras_dvi import moments, packing
+from keras_dvi import packing
 from keras_dvi.layers.base import BayesianLayer, apply_activation
+from keras_dvi.maths import moments
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

@@ -1,5 +1,6 @@
 """`TAGIModel`: trains a keras-dvi network with TAGI's closed-form updates (no optimizer, no
-gradients) inside Keras' `fit`; the equations are in `keras_dvi.tagi.maths`, each layer's part in
+gradients) inside Keras' `fit`; the equations and each layer's linear map are in
+`keras_dvi.maths.tagi` (also `keras_dvi.tagi.maths`), which step each layer is in
 `keras_dvi.tagi.steps`."""
 
 import math
@@ -12,9 +13,10 @@ from keras_dvi import packing, predictive
 from keras_dvi.layers.conv_dvi import ConvDVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.pooling_dvi import AveragePoolingDVI, MaxPoolingDVI
+from keras_dvi.maths import tagi
+from keras_dvi.maths.tagi import ACTIVATIONS, ConvStep
 from keras_dvi.network import layers_of
-from keras_dvi.tagi import maths as tagi
-from keras_dvi.tagi.steps import ACTIVATIONS, MAP_LAYERS, WEIGHT_LAYERS, ConvStep, step_of
+from keras_dvi.tagi.steps import MAP_LAYERS, WEIGHT_LAYERS, step_of
 
 REGRESSION, CLASSIFICATION = "regression", "classification"
 
@@ -61,7 +63,7 @@ class TAGIModel(keras.Model):
             posteriors (a `.keras` file loads that way).
         seed: integer seed of the initial means.
         max_step: `"auto"` (default), `None` or a positive number: a weight's mean moves by at
-            most `max_step` prior standard deviations per batch (`keras_dvi.tagi.maths.parameter_update`;
+            most `max_step` prior standard deviations per batch (`keras_dvi.maths.tagi.parameter_update`;
             the authors' cuTAGI caps its updates the same way). `"auto"`: no cap for dense
             networks (the paper's updates), 1 for networks with conv layers, whose shared
             kernels sum one term per position and example from one prior and otherwise

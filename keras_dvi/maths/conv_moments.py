@@ -57,7 +57,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_dvi import moments
+from keras_dvi.maths import moments
 
 #: Floor of a shared component's normalising variance (a channel with no variance at all).
 _FLOOR = 1e-30
