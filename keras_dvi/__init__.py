@@ -9,7 +9,9 @@ networks without gradients. The public API, by topic:
   `HomoscedasticNoise`, `TargetScaling`;
 * convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
-  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`;
+  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, `ConcatenateDVI`,
+  `BatchNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
+  `Cropping2DDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
   `ScalePriorRegularizer` (by default `kl_weight="auto"`: the ELBO for regression, the rule
@@ -57,6 +59,12 @@ _EXPORTS = {
     "GlobalAveragePooling2DDVI": "keras_dvi.layers",
     "FlattenDVI": "keras_dvi.layers",
     "AddDVI": "keras_dvi.layers",
+    "ConcatenateDVI": "keras_dvi.layers",
+    "BatchNormalizationDVI": "keras_dvi.layers",
+    "ZeroPadding1DDVI": "keras_dvi.layers",
+    "ZeroPadding2DDVI": "keras_dvi.layers",
+    "Cropping1DDVI": "keras_dvi.layers",
+    "Cropping2DDVI": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
     "GlobalInducingConv2D": "keras_dvi.layers",
     "InducingInputs": "keras_dvi.layers",

@@ -5,6 +5,7 @@ import keras
 import numpy as np
 
 from keras_dvi import layers as dvi
+from keras_dvi import losses, validation
 from keras_dvi.maths import moments
 
 #: Plain layers and their keras-dvi counterparts (layers without weights).
@@ -19,6 +20,13 @@ _GLOBAL_POOLING = {
     keras.layers.GlobalAveragePooling2D: dvi.GlobalAveragePooling2DDVI,
 }
 _CONV = {keras.layers.Conv1D: dvi.Conv1DDVI, keras.layers.Conv2D: dvi.Conv2DDVI}
+#: Zero padding and cropping: `(keras-dvi class, name of the argument)`.
+_RESHAPING = {
+    keras.layers.ZeroPadding1D: (dvi.ZeroPadding1DDVI, "padding"),
+    keras.layers.ZeroPadding2D: (dvi.ZeroPadding2DDVI, "padding"),
+    keras.layers.Cropping1D: (dvi.Cropping1DDVI, "cropping"),
+    keras.layers.Cropping2D: (dvi.Cropping2DDVI, "cropping"),
+}
 #: Layers that do nothing at inference (keras-dvi layers model the weight noise themselves).
 _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
                        keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
@@ -49,12 +57,13 @@ class _Graph:
     """What `convert` reads of the plain model's graph, through public Keras API only
     (`model.layers`, `layer.input`, `layer.output`): each layer's producers and readers."""
 
-    def __init__(self, model):
+    def __init__(self, model, outputs=None):
         self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         for layer in self.layers:
             if isinstance(layer, keras.Model):
                 raise ValueError(f"keras_dvi.convert: layer {layer.name!r} is a nested model; convert a model "
-                                 "whose layers are Keras layers (flatten the nested model into it first).")
+                                 "whose layers are Keras layers (flatten the nested model into it first), or "
+                                 "keep it plain and convert only the layers after it (`last_layers=k`).")
         producer_of = {}
         for layer in self.layers:
             for tensor in keras.tree.flatten(layer.output):
@@ -65,7 +74,8 @@ class _Graph:
         for layer in self.layers:
             for producer in self.producers[id(layer)]:
                 self.readers[id(producer)].append(layer)
-        self.outputs = {id(producer_of[id(t)]) for t in keras.tree.flatten(model.outputs) if id(t) in producer_of}
+        outputs = keras.tree.flatten(model.outputs if outputs is None else outputs)
+        self.outputs = {id(producer_of[id(t)]) for t in outputs if id(t) in producer_of}
 
     def only_reader(self, layer):
         readers = self.readers[id(layer)]
@@ -88,13 +98,33 @@ def _through_identities(graph, layer, identity):
         return producer, reader
 
 
+def _on_channels(layer, axis, data_format):
+    """Whether `axis` (an integer or a one-element list) of `layer`'s input is its channel axis
+    under `data_format`."""
+    rank = len(keras.tree.flatten(layer.input)[0].shape)
+    if not isinstance(axis, int):
+        if len(list(axis)) != 1:
+            return False
+        axis = list(axis)[0]
+    return axis % rank == (1 if data_format == "channels_first" else rank - 1)
+
+
 def _normalises_channels(batch_norm, producer):
     """Whether a batch normalisation's axis is the channel axis of the layer feeding it."""
-    rank = len(batch_norm.input.shape)
-    axis = batch_norm.axis if isinstance(batch_norm.axis, int) else (list(batch_norm.axis) + [None])[0]
-    axis = None if axis is None else axis % rank
-    channels = 1 if getattr(producer, "data_format", "channels_last") == "channels_first" else rank - 1
-    return axis == channels
+    return _on_channels(batch_norm, batch_norm.axis, getattr(producer, "data_format", "channels_last"))
+
+
+def _map_format(graph):
+    """The data format of the model's feature maps (its first convolution's), or `None`."""
+    return next((layer.data_format for layer in graph.layers if isinstance(layer, tuple(_CONV))), None)
+
+
+def _normalises_map_channels(batch_norm, graph):
+    """Whether a batch normalisation reads a feature map and normalises its channels (what
+    `BatchNormalizationDVI` does)."""
+    data_format = _map_format(graph)
+    return (data_format is not None and len(batch_norm.input.shape) >= 3
+            and _on_channels(batch_norm, batch_norm.axis, data_format))
 
 
 def _is_weight_layer(layer):
@@ -103,7 +133,9 @@ def _is_weight_layer(layer):
 
 def _plan(graph):
     """`(activation of each converted layer, layers replaced by an identity, batch
-    normalisations folded into each layer, layers kept as plain preprocessing)`."""
+    normalisations folded into each layer, layers kept as plain preprocessing)`. A batch
+    normalisation that cannot be folded becomes a `BatchNormalizationDVI` (an entry in the
+    activations: the activation after it folds into it)."""
     activation, identity, folded, plain = {}, set(), {}, set()
     started = set()  # layers at or after the first layer with weights
     for layer in graph.layers:
@@ -129,14 +161,20 @@ def _plan(graph):
                         and graph.only_reader(producer) is reader
                         and (_is_weight_layer(producer) and _normalises_channels(layer, producer) if batch_norm
                              else name not in (None, "softmax")))
+            if batch_norm and not foldable and _normalises_map_channels(layer, graph):
+                activation[id(layer)] = "linear"  # a BatchNormalizationDVI
+                continue
             if not foldable:
                 raise ValueError(
                     f"keras_dvi.convert: BatchNormalization {layer.name!r} can be folded only into a linear Dense "
                     "or convolution that feeds it alone, normalising its channels (its inference-time scale and "
-                    "shift then become that layer's weights); put the activation after it." if batch_norm else
+                    "shift then become that layer's weights), or normalise the channels of a feature map "
+                    "(keras_dvi.BatchNormalizationDVI)." if batch_norm else
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}) can be folded "
-                    "only into the Dense, convolution, max pooling or Add layer that feeds it alone, with "
-                    "activation 'relu', 'leaky_relu' (slope 0.2) or 'linear' (a softmax only at the output).")
+                    "only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
+                    "alone, with activation 'relu', 'leaky_relu' (slope 0.2) or 'linear' (a softmax only at the "
+                    "output); other functions (ReLU6, SiLU, GELU, ...) have no Gaussian moments here. To keep the "
+                    "layers up to it plain, convert only the layers after it (`last_layers=k`).")
             if batch_norm:
                 folded[id(producer)] = layer
             else:
@@ -161,6 +199,41 @@ def _plan(graph):
     return activation, identity, folded, plain
 
 
+def _head(model, last_layers):
+    """The part of `model` from the input of its `last_layers`-th last layer with weights (a
+    `Dense` or convolution among its top-level layers) to its outputs, as a functional model on
+    the same layers (Keras gives it copies of the cut tensor and of the outputs); `ValueError`
+    if the model does not pass through that one tensor."""
+    last_layers = validation.positive_integer("last_layers", last_layers)
+    weighted = [layer for layer in model.layers if _is_weight_layer(layer)]
+    if last_layers > len(weighted):
+        raise ValueError(f"Argument `last_layers` of keras_dvi.convert must be at most {len(weighted)}, the number of "
+                         f"Dense and convolution layers of the model; received last_layers={last_layers}.")
+    first = weighted[-last_layers]
+    try:
+        return keras.Model(first.input, model.outputs)
+    except (ValueError, AttributeError) as error:
+        raise ValueError(
+            f"keras_dvi.convert: with last_layers={last_layers} the keras-dvi part starts at layer {first.name!r}, "
+            "but the model's outputs do not depend on the rest of the model through its input alone (a skip "
+            "connection passes it, or the layer is called more than once); choose another `last_layers`."
+        ) from error
+
+
+#: Keras losses of a plain model that make it a classifier over its output units.
+_CLASSIFICATION_LOSSES = (keras.losses.SparseCategoricalCrossentropy, keras.losses.CategoricalCrossentropy)
+_CLASSIFICATION_LOSS_NAMES = ("sparse_categorical_crossentropy", "categorical_crossentropy")
+
+
+def _is_classifier(model, graph):
+    """Whether the plain model is a classifier: its output applies a softmax, or it is compiled
+    with a categorical cross-entropy."""
+    if any(_activation_of(layer) == "softmax" for layer in graph.layers if id(layer) in graph.outputs):
+        return True
+    loss = getattr(model, "loss", None)
+    return isinstance(loss, _CLASSIFICATION_LOSSES) or loss in _CLASSIFICATION_LOSS_NAMES
+
+
 def _folded_weights(layer, batch_norm):
     """The kernel and bias of `layer` with the inference-time batch normalisation after it folded in."""
     kernel = keras.ops.convert_to_numpy(layer.kernel).astype("float64")
@@ -176,7 +249,8 @@ def _folded_weights(layer, batch_norm):
     return kernel * scale, (bias - mean) * scale + beta
 
 
-def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, hidden_covariance="diagonal"):
+def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, hidden_covariance="diagonal",
+            last_layers=None):
     """The keras-dvi counterpart of a built plain Keras model, its weights as posterior means.
 
     Every layer with weights becomes its keras-dvi counterpart, with a factorised Gaussian
@@ -192,15 +266,25 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `Dense` | `DenseDiagDVI` (hidden layers; `hidden_covariance="full"`: `DenseDVI`), `DenseDVI` (model outputs) |
     | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
+    | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
-    | `BatchNormalization` after a linear `Dense` or convolution | folded into its weights (inference statistics) |
+    | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
+    | any other `BatchNormalization` on a feature map's channels | `BatchNormalizationDVI` (inference statistics, fixed) |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
 
     A ReLU on a convolution that feeds a max pooling moves to the pooling layer, the same
     function in the form whose moments are accurate. Layers without weights before the first
     layer with weights (`Rescaling`, `Normalization`, `Reshape`, ...) stay as they are. Anything
-    else is refused with an error that names the layer. A regression model whose head predicts
+    else is refused with an error that names the layer.
+
+    **Only the last layers** (`last_layers=k`): the last `k` `Dense` or convolution layers
+    become keras-dvi layers, and everything before the first of them stays a plain Keras
+    network: copies of the plain model's layers with their weights and `trainable` settings
+    (a frozen backbone stays frozen), nested models and attention included. This serves any
+    model whose head is a stack of dense or conv layers (a Transformer classifier, a
+    `keras.applications` or KerasHub backbone under a dense head), the "Bayesian last layers"
+    of the Laplace and variational last-layer literature. A regression model whose head predicts
     a mean only needs a noise model before training: append `keras_dvi.HomoscedasticNoise()`.
 
     Args:
@@ -212,32 +296,41 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         bias_variance: initial posterior variance of every bias (`None`: a tenth of the kernel's).
         hidden_covariance: `"diagonal"` (default: `DenseDiagDVI` hidden layers) or `"full"`
             (`DenseDVI`).
+        last_layers: `None` (default: every layer from the first with weights) or a positive
+            integer `k`: only the last `k` `Dense` or convolution layers, and the layers after
+            the first of them, become keras-dvi layers.
 
     Returns:
-        A new, built Keras model of keras-dvi layers (the plain model is left as it is).
+        A new, built Keras model of keras-dvi layers (the plain model is left as it is),
+        compiled with `SoftmaxDeltaELL` if the plain model is a classifier.
 
     Examples:
         >>> plain.fit(x_train, y_train, epochs=20)
         >>> prior = keras_dvi.EmpiricalBayesRegularizer(len(x_train))
-        >>> bayesian = keras_dvi.convert(plain, regularizer=prior)
-        >>> bayesian.compile(keras.optimizers.Adam(1e-3), loss=keras_dvi.SoftmaxDeltaELL())
+        >>> bayesian = keras_dvi.convert(plain, regularizer=prior)  # compiled: plain ends in a softmax
         >>> bayesian.fit(x_train, y_train, epochs=20)
+        >>> keras_dvi.predict(bayesian, x_test)["probabilities"]
+        >>> head = keras_dvi.convert(transformer, regularizer=prior, last_layers=2)  # a plain body
     """
     if not isinstance(model, keras.Model) or isinstance(model, keras.Sequential) and not model.built:
         raise ValueError("Argument `model` of keras_dvi.convert must be a built Keras model (Sequential or functional).")
     if hidden_covariance not in ("diagonal", "full"):
         raise ValueError(f"Argument `hidden_covariance` must be 'diagonal' or 'full'; received {hidden_covariance!r}.")
     try:
-        graph = _Graph(model)
+        graph = _Graph(model) if last_layers is None else _Graph(_head(model, last_layers), model.outputs)
     except (AttributeError, ValueError) as error:
-        if "nested model" in str(error):
+        if "keras_dvi.convert" in str(error) or "last_layers" in str(error):
             raise
         raise ValueError("Argument `model` of keras_dvi.convert must be a built Sequential or functional model "
                          "(a subclassed model has no graph to convert).") from error
     if any(isinstance(layer, dvi.boundary.KerasDVILayer) for layer in graph.layers):
         raise ValueError("Argument `model` of keras_dvi.convert already has keras-dvi layers.")
+    classifier = _is_classifier(model, graph)
     activation, identity, folded, plain = _plan(graph)
-    first_format = next((layer.data_format for layer in graph.layers if isinstance(layer, tuple(_CONV))), None)
+    if last_layers is not None:  # every layer outside the head stays plain
+        head = {id(layer) for layer in graph.layers}
+        plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
+    first_format = _map_format(graph)
     kept = []  # (plain layer, its clone): their weights (a Normalization's statistics) are copied
     dropped = set()  # clones that stand for a removed layer (never called)
 
@@ -246,8 +339,11 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         common = {"regularizer": regularizer, "name": layer.name}
         if key in folded:
             common["use_bias"] = True  # the batch normalisation's shift becomes the bias
+        if key in plain and not isinstance(layer, keras.layers.Layer):
+            return layer  # an operation such as `x + y`: stateless, nothing to copy
         if key in plain or isinstance(layer, keras.layers.InputLayer):
-            copy = layer.__class__.from_config(layer.get_config())
+            copy = (keras.models.clone_model(layer) if isinstance(layer, keras.Model)
+                    else layer.__class__.from_config(layer.get_config()))
             kept.append((layer, copy))
             return copy
         if key in identity or isinstance(layer, _INFERENCE_IDENTITY):
@@ -275,6 +371,18 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted = _GLOBAL_POOLING[type(layer)](data_format=layer.data_format, name=layer.name)
         elif isinstance(layer, keras.layers.Flatten):
             converted = dvi.FlattenDVI(data_format=layer.data_format, name=layer.name)
+        elif type(layer) in _RESHAPING:
+            kind, argument = _RESHAPING[type(layer)]
+            converted = kind(getattr(layer, argument), data_format=getattr(layer, "data_format", first_format),
+                             name=layer.name)
+        elif isinstance(layer, keras.layers.Concatenate):
+            if len(layer.input[0].shape) < 3 or not _on_channels(layer, layer.axis, first_format):
+                raise ValueError(f"keras_dvi.convert: Concatenate {layer.name!r} must join feature maps along their "
+                                 "channels (keras_dvi.ConcatenateDVI).")
+            converted = dvi.ConcatenateDVI(data_format=first_format, name=layer.name)
+        elif isinstance(layer, keras.layers.BatchNormalization):
+            converted = dvi.BatchNormalizationDVI.from_batch_normalization(
+                layer, activation=None if act == "linear" else act, data_format=first_format)
         elif isinstance(layer, keras.layers.Add):
             if len(layer.input) != 2 or len(layer.input[0].shape) < 4:
                 raise ValueError(f"keras_dvi.convert: Add {layer.name!r} must add two feature maps (keras_dvi.AddDVI).")
@@ -283,16 +391,18 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         else:
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
-                "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, folded "
-                "activations and batch normalisation, inference-time no-ops (Dropout), and layers without "
-                "weights before the first layer with weights.")
+                "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Concatenate "
+                "(channels), ZeroPadding, Cropping, batch normalisation (folded or on feature maps), folded "
+                "activations, inference-time no-ops (Dropout), and layers without weights before the first "
+                "layer with weights. To keep the layers up to it plain, convert only the layers after it "
+                "(`last_layers=k`).")
         if key in folded:
             kernel, bias = _folded_weights(layer, folded[key])
             converted.set_posterior(kernel, converted.kernel_variance, bias)
         return converted
 
     if isinstance(model, keras.Sequential):
-        clones = [clone(layer) for layer in graph.layers]
+        clones = [clone(layer) for layer in model.layers]
         converted = keras.Sequential([keras.Input(batch_shape=tuple(model.inputs[0].shape))]
                                      + [c for c in clones if id(c) not in dropped], name=model.name)
     else:
@@ -307,5 +417,11 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     for layer, copy in kept:
         if layer.weights:
             copy.set_weights(layer.get_weights())
-            copy.finalize_state()  # (what Keras calls after loading a layer's variables)
+            if hasattr(copy, "finalize_state"):
+                copy.finalize_state()  # (what Keras calls after loading a layer's variables)
+    if classifier:
+        optimizer = getattr(model, "optimizer", None)
+        optimizer = (keras.optimizers.Adam(1e-3) if optimizer is None
+                     else type(optimizer).from_config(optimizer.get_config()))
+        converted.compile(optimizer=optimizer, loss=losses.SoftmaxDeltaELL())
     return converted

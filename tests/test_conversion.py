@@ -24,9 +24,11 @@ def _randomise_batch_norm(model, seed=0):
     rng = np.random.default_rng(seed)
     for layer in model.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
-            n = int(layer.gamma.shape[0])
-            layer.gamma.assign(rng.uniform(0.5, 2.0, n))
-            layer.beta.assign(rng.normal(size=n))
+            n = int(layer.moving_mean.shape[0])
+            if layer.gamma is not None:  # (scale=False: none)
+                layer.gamma.assign(rng.uniform(0.5, 2.0, n))
+            if layer.beta is not None:
+                layer.beta.assign(rng.normal(size=n))
             layer.moving_mean.assign(rng.normal(size=n))
             layer.moving_variance.assign(rng.uniform(0.5, 2.0, n))
 
@@ -122,16 +124,145 @@ def test_a_converted_model_trains_saves_and_loads(tmp_path):
     plain.fit(x, labels, epochs=20, verbose=0)
     converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(len(x)))
     np.testing.assert_allclose(to_numpy(converted.layers[0].mean), to_numpy(normalization.mean))
-    converted.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
+    # a classifier (its loss said so) comes back compiled: the keras-dvi loss, a copy of its optimizer
+    assert isinstance(converted.loss, kd.SoftmaxDeltaELL) and converted.optimizer is not plain.optimizer
+    assert isinstance(converted.optimizer, keras.optimizers.Adam)
+    assert float(to_numpy(converted.optimizer.learning_rate)) == pytest.approx(1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # (layers built on their own once each kept a tracker)
         history = converted.fit(x, labels, epochs=3, verbose=0).history
     assert np.isfinite(history["loss"]).all() and "kl" in history
-    assert (kd.predict(converted, x)["label"] == labels).mean() > 0.9
+    assert (kd.predict(converted, x)["label"] == labels).mean() > 0.9  # no `task=`: the loss tells
     path = str(tmp_path / "converted.keras")
     converted.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
+
+
+#: `keras.applications` families that convert: `(constructor, input size, keras-dvi layers it needs)`.
+APPLICATIONS = {
+    "ResNet50": (keras.applications.ResNet50, 32, {"ZeroPadding2DDVI", "AddDVI"}),
+    "ResNet50V2": (keras.applications.ResNet50V2, 32, {"ZeroPadding2DDVI", "BatchNormalizationDVI"}),
+    "DenseNet121": (keras.applications.DenseNet121, 32, {"ConcatenateDVI", "BatchNormalizationDVI",
+                                                         "AveragePooling2DDVI"}),
+    "InceptionV3": (keras.applications.InceptionV3, 75, {"ConcatenateDVI", "AveragePooling2DDVI"}),
+}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", sorted(APPLICATIONS))
+def test_keras_applications_compute_the_plain_function(family):
+    """Keras' own architectures (random weights, batch normalisation statistics randomised so
+    that folding and `BatchNormalizationDVI` matter): with the posterior variances shrunk to
+    zero the converted model's class probabilities are the plain model's."""
+    build, size, needs = APPLICATIONS[family]
+    keras.utils.set_random_seed(0)
+    plain = build(weights=None, input_shape=(size, size, 3), classes=5)
+    _randomise_batch_norm(plain)
+    x = _images(rows=2, size=size, channels=3)
+    converted = kd.convert(plain, **TINY)
+    kinds = {type(layer).__name__ for layer in converted.layers}
+    assert needs <= kinds and not any("BatchNormalization" == kind for kind in kinds), kinds
+    mean, _ = kd.unpack(converted(x))
+    probabilities = to_numpy(keras.ops.softmax(mean))
+    np.testing.assert_allclose(probabilities, to_numpy(plain(x, training=False)), atol=2e-5)
+    np.testing.assert_allclose(to_numpy(mean), _logits(plain, x), rtol=1e-3, atol=1e-3 * np.abs(_logits(plain, x)).max())
+
+
+def _transformer_classifier():
+    """keras.io's Transformer text classifier, small: embedding, self-attention, layer
+    normalisation, a feed-forward block with residual `+` operations, pooling, a dense head."""
+    inputs = keras.Input((12,), dtype="int32")
+    h = keras.layers.Embedding(50, 16)(inputs)
+    h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 8)(h, h))
+    feed = keras.layers.Dense(16)(keras.layers.Dense(16, activation="relu")(h))
+    h = keras.layers.LayerNormalization()(h + feed)
+    h = keras.layers.Dropout(0.1)(keras.layers.GlobalAveragePooling1D()(h))
+    h = keras.layers.Dropout(0.1)(keras.layers.Dense(20, activation="relu")(h))
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def test_last_layers_of_a_transformer_become_bayesian_and_the_body_stays_plain():
+    """`last_layers=2`: the two head `Dense` layers become keras-dvi layers (the dropout between
+    them an identity); embedding, attention, normalisation and the `+` operations stay plain,
+    as copies with the plain model's weights; tiny variances compute the plain probabilities."""
+    keras.utils.set_random_seed(0)
+    plain = _transformer_classifier()
+    x = np.random.default_rng(0).integers(0, 50, (5, 12)).astype("int32")
+    converted = kd.convert(plain, last_layers=2, **TINY)
+    kinds = [type(layer).__name__ for layer in converted.layers]
+    assert kinds[-2:] == ["DenseDiagDVI", "DenseDVI"] and "MultiHeadAttention" in kinds and "Dropout" in kinds, kinds
+    assert kd.DenseDVI not in {type(layer) for layer in converted.layers[:-2]}
+    by_name = {layer.name: layer for layer in plain.layers}
+    for layer in converted.layers[:-2]:
+        if layer.weights:
+            assert layer is not by_name[layer.name]  # a copy: training it leaves the plain model as it was
+            for a, b in zip(layer.get_weights(), by_name[layer.name].get_weights()):
+                np.testing.assert_array_equal(a, b)
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x)), atol=1e-6)
+    assert isinstance(converted.loss, kd.SoftmaxDeltaELL)  # ended in a softmax: compiled as a classifier
+    np.testing.assert_allclose(kd.predict(converted, x)["probabilities"], to_numpy(plain(x)), atol=1e-5)
+
+
+def test_last_layers_keep_a_frozen_nested_backbone_frozen(tmp_path):
+    keras.utils.set_random_seed(1)
+    backbone = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                                 keras.layers.BatchNormalization(), keras.layers.GlobalAveragePooling2D()],
+                                name="backbone")
+    _randomise_batch_norm(backbone)
+    backbone.trainable = False
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Dense(6, activation="relu")(backbone(inputs))
+    plain = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    x = _images(rows=6, size=8, channels=3)
+    prior = kd.EmpiricalBayesRegularizer(6)
+    converted = kd.convert(plain, regularizer=prior, last_layers=2)
+    assert [type(layer).__name__ for layer in converted.layers] == ["InputLayer", "Sequential", "DenseDiagDVI",
+                                                                     "DenseDVI"]
+    copy = converted.layers[1]
+    assert copy is not backbone and not copy.trainable and not copy.trainable_weights
+    before = [w.copy() for w in copy.get_weights()]
+    converted.compile(keras.optimizers.Adam(1e-2), loss=kd.SoftmaxDeltaELL())
+    history = converted.fit(x, np.arange(6) % 3, epochs=2, verbose=0).history
+    assert set(history) >= {"loss", "nll", "kl"} and np.isfinite(history["loss"]).all()
+    for a, b in zip(copy.get_weights(), before):
+        np.testing.assert_array_equal(a, b)  # frozen
+    path = tmp_path / "last_layers.keras"
+    converted.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(converted(x)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.heavy
+def test_last_layer_of_convnext_becomes_bayesian():
+    """ConvNeXt (a nested stem model, GELU, layer normalisation, LayerScale, depthwise
+    convolutions: refused whole) keeps its body plain under a keras-dvi classifier."""
+    keras.utils.set_random_seed(2)
+    plain = keras.applications.ConvNeXtTiny(weights=None, input_shape=(32, 32, 3), classes=5)
+    with pytest.raises(ValueError, match="nested model.*last_layers"):
+        kd.convert(plain)
+    converted = kd.convert(plain, last_layers=1, **TINY)
+    assert type(converted.layers[-1]).__name__ == "DenseDVI"
+    assert not any(isinstance(layer, kd.layers.boundary.KerasDVILayer) for layer in converted.layers[:-1])
+    x = _images(rows=2, size=32, channels=3)
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x, training=False)), atol=1e-6)
+
+
+def test_last_layers_misuse_is_refused():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    assert [type(layer).__name__ for layer in kd.convert(model, last_layers=1).layers] == ["Dense", "DenseDVI"]
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="`last_layers`"):
+            kd.convert(model, last_layers=bad)
+    with pytest.raises(ValueError, match="at most 2"):
+        kd.convert(model, last_layers=3)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(4, name="first")(inputs)
+    skip = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Add()([keras.layers.Dense(4)(h), inputs])))
+    with pytest.raises(ValueError, match="skip connection"):
+        kd.convert(skip, last_layers=2)
 
 
 def test_what_cannot_be_converted_is_refused_by_name():
@@ -144,7 +275,7 @@ def test_what_cannot_be_converted_is_refused_by_name():
     refused([keras.layers.Dense(4, activation="relu"), keras.layers.BatchNormalization(name="norm"),
              keras.layers.Dense(2)], "BatchNormalization 'norm' can be folded only into a linear")
     refused([keras.layers.Dense(4), keras.layers.Activation("tanh", name="act"), keras.layers.Dense(2)],
-            "activation layer 'act'")
+            "activation layer 'act'.*convert only the layers after it \\(`last_layers=k`\\)")
     refused([keras.layers.Dense(4), keras.layers.Dense(3, activation="softmax"), keras.layers.Dense(2)],
             "applies a softmax inside the network")
     refused([keras.layers.Dense(4), keras.layers.Reshape((2, 2)), keras.layers.LSTM(2, name="lstm")],

@@ -2,6 +2,8 @@
 
 from keras_dvi.layers.add_dvi import AddDVI
 from keras_dvi.layers.base import BayesianLayer
+from keras_dvi.layers.batch_normalization_dvi import BatchNormalizationDVI
+from keras_dvi.layers.concatenate_dvi import ConcatenateDVI
 from keras_dvi.layers.conv_dvi import Conv1DDVI, Conv2DDVI
 from keras_dvi.layers.conv_mcvi import Conv1DMCVI, Conv2DMCVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
@@ -13,6 +15,7 @@ from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.global_inducing_dvi import GlobalInducingDenseDVI
 from keras_dvi.layers.inducing_inputs import InducingInputs
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
+from keras_dvi.layers.padding_dvi import Cropping1DDVI, Cropping2DDVI, ZeroPadding1DDVI, ZeroPadding2DDVI
 from keras_dvi.layers.pooling_dvi import (
     AveragePooling1DDVI,
     AveragePooling2DDVI,
@@ -29,4 +32,5 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "GlobalInducingDense", "GlobalInducingConv2D", "GlobalInducingDenseDVI", "InducingInputs", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
-           "FlattenDVI", "AddDVI"]
+           "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "ZeroPadding1DDVI",
+           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI"]

@@ -47,6 +47,9 @@ re-expresses them as one factor per output channel, below).
   keras-dvi layer does (the dense layers' own weight noise then dominates the output
   variance).
 * residual addition (`add_moments`): the two branches are taken to be independent.
+* zero padding, cropping, concatenation along channels and a per-channel affine map (batch
+  normalisation with fixed statistics): exact within the representation (`pad_moments`,
+  `crop_moments`, `concatenate_moments`, `channel_affine_moments`).
 """
 
 import functools
@@ -424,6 +427,43 @@ def add_moments(first, second):
     scale = ops.sqrt(ops.maximum(ops.square(t1) + ops.square(t2), _FLOOR))
     variance = v1 + v2
     return m1 + m2, variance, _clip_shared((s1 * t1 + s2 * t2) / scale, variance)
+
+
+def pad_moments(mean, variance, shared, pads):
+    """Zero padding: the new units are the constant 0 (mean, variance and shared component 0),
+    the others unchanged; exact.
+
+    Args:
+        mean, variance, shared: `(batch, *spatial, channels)`.
+        pads: one `(before, after)` pair of non-negative integers per spatial axis.
+
+    Returns:
+        `(mean, variance, shared)` of the padded map.
+    """
+    spec = [(0, 0)] + [tuple(pair) for pair in pads] + [(0, 0)]
+    return tuple(ops.pad(t, spec) for t in (mean, variance, shared))
+
+
+def crop_moments(mean, variance, shared, crops):
+    """Cropping: the units kept are unchanged; exact. `crops`: one `(before, after)` pair per
+    spatial axis. Returns `(mean, variance, shared)` of the cropped map."""
+    index = (slice(None),) + tuple(slice(before, -after if after else None) for before, after in crops) + (slice(None),)
+    return tuple(t[index] for t in (mean, variance, shared))
+
+
+def concatenate_moments(maps):
+    """Concatenation along the channel axis of feature maps `[(mean, variance, shared), ...]`
+    of the same spatial shape: exact within the representation (each channel keeps its own
+    shared factor; factors of different channels are independent). Returns
+    `(mean, variance, shared)`."""
+    return tuple(ops.concatenate(list(parts), axis=-1) for parts in zip(*maps))
+
+
+def channel_affine_moments(mean, variance, shared, scale, shift):
+    """`y = scale * x + shift` per channel (batch normalisation with fixed statistics):
+    `m' = a m + b`, `v' = a^2 v`, `s' = a s`; exact. `scale`, `shift`: `(channels,)`.
+    Returns `(mean, variance, shared)`."""
+    return mean * scale + shift, variance * ops.square(scale), shared * scale
 
 
 def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilation_rate=1):

@@ -1,0 +1,106 @@
+"""`BatchNormalizationDVI`: batch normalisation of keras-dvi feature maps with fixed statistics."""
+
+import keras
+from keras import ops
+
+from keras_dvi import packing
+from keras_dvi.layers.base import apply_activation
+from keras_dvi.layers.feature_map import MapLayer
+from keras_dvi.maths import conv_moments, moments
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class BatchNormalizationDVI(MapLayer):
+    """Batch normalisation of a keras-dvi feature map with fixed statistics: the per-channel
+    affine map `y = gamma (x - moving_mean) / sqrt(moving_variance + epsilon) + beta` of
+    `keras.layers.BatchNormalization` at inference, then an optional activation.
+
+    Exact: means map through the affine map, variances through its square, shared components
+    through its scale (`keras_dvi.conv_moments.channel_affine_moments`); the activation's
+    moments are DVI's. **In training too the statistics stay fixed** (those of the plain model
+    it was converted from): the moments of a batch of Gaussian feature maps define no batch
+    statistics a plain network would see, so `moving_mean` and `moving_variance` are not
+    trainable and not updated; `gamma` and `beta` train as point estimates (no prior, no KL).
+    Where a linear convolution feeds the normalisation alone, `keras_dvi.convert` folds it into
+    the convolution's weights instead; this layer serves the others (pre-activation ResNets,
+    DenseNets).
+
+    Args:
+        epsilon: added to the variance (default 1e-3, Keras' default).
+        center: whether the layer has `beta` (default `True`).
+        scale: whether the layer has `gamma` (default `True`).
+        activation: `None` (default), `"relu"`, `"heaviside"` or `"leaky_relu"`, applied after
+            the normalisation (as in `BatchNormalization` + `ReLU`).
+        data_format: `"channels_last"` or `"channels_first"` (where the channel axis is);
+            `None` (default) is `keras.config.image_data_format()`.
+
+    Input shape:
+        A packed feature map `(batch, 3, *spatial, channels)` (channels first:
+        `(batch, 3, channels, *spatial)`).
+
+    Output shape:
+        Packed, as the input.
+
+    Examples:
+        >>> x = keras_dvi.BatchNormalizationDVI(activation="relu")(x)
+        >>> x = keras_dvi.Conv2DDVI(16, 3, padding="same", regularizer=prior)(x)
+    """
+
+    def __init__(self, epsilon=1e-3, center=True, scale=True, activation=None, data_format=None, **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not epsilon >= 0:
+            raise ValueError(f"Argument `epsilon` must be a non-negative number; received epsilon={epsilon!r}.")
+        self.epsilon, self.center, self.scale = float(epsilon), bool(center), bool(scale)
+        self.activation = moments.canonical_activation(activation)
+
+    def build(self, input_shape):
+        _, channels = self._structure(self._last(input_shape))
+        if channels is None:
+            raise ValueError(f"{type(self).__name__} {self.name!r} needs a known number of channels; "
+                             f"received inputs of shape {tuple(input_shape)}.")
+        add = lambda name, init, trainable: self.add_weight(  # noqa: E731
+            name=name, shape=(channels,), initializer=init, trainable=trainable, autocast=False)
+        self.gamma = add("gamma", "ones", True) if self.scale else None
+        self.beta = add("beta", "zeros", True) if self.center else None
+        self.moving_mean = add("moving_mean", "zeros", False)
+        self.moving_variance = add("moving_variance", "ones", False)
+
+    def _output_shape(self, input_shape):
+        self._structure(input_shape)
+        return tuple(input_shape)
+
+    def affine(self, dtype):
+        """`(scale, shift)` of the per-channel map, in `dtype`."""
+        get = lambda v: ops.cast(ops.convert_to_tensor(v), dtype)  # noqa: E731
+        scale = ops.rsqrt(get(self.moving_variance) + self.epsilon)
+        if self.gamma is not None:
+            scale = scale * get(self.gamma)
+        shift = -get(self.moving_mean) * scale
+        if self.beta is not None:
+            shift = shift + get(self.beta)
+        return scale, shift
+
+    def _propagate(self, mean, variance, shared):
+        normalised = conv_moments.channel_affine_moments(mean, variance, shared, *self.affine(mean.dtype))
+        return packing.pack_map(*conv_moments.activation_moments(*normalised, self.activation))
+
+    def _sample(self, samples):
+        scale, shift = self.affine(samples.dtype)
+        return apply_activation(samples * scale + shift, self.activation)
+
+    @classmethod
+    def from_batch_normalization(cls, layer, activation=None, data_format=None, **kwargs):
+        """The keras-dvi counterpart of a built `keras.layers.BatchNormalization` on the channel
+        axis of a feature map, with its weights and statistics (what `keras_dvi.convert` uses)."""
+        converted = cls(epsilon=layer.epsilon, center=layer.center, scale=layer.scale, activation=activation,
+                        data_format=data_format, name=kwargs.pop("name", layer.name), **kwargs)
+        shape = tuple(layer.input.shape)  # data (batch, ...): the packed map has its rows after the batch
+        converted.build(shape[:1] + (packing.MAP_ROWS,) + shape[1:])
+        converted.set_weights(layer.get_weights())
+        return converted
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(epsilon=self.epsilon, center=self.center, scale=self.scale,
+                      activation=None if self.activation == "linear" else self.activation)
+        return config

@@ -1,0 +1,143 @@
+"""Zero padding and cropping of keras-dvi feature maps (`keras_dvi.conv_moments.pad_moments`,
+`crop_moments`): exact, as `keras.layers.ZeroPadding*D` and `Cropping*D` on the moments."""
+
+import keras
+from keras import ops
+
+from keras_dvi import packing
+from keras_dvi.layers.feature_map import MapLayer
+from keras_dvi.maths import conv_moments
+
+
+def pairs(name, value, rank):
+    """Keras' padding or cropping argument as one `(before, after)` pair of non-negative
+    integers per spatial axis: an integer (the same everywhere), a tuple of `rank` integers
+    (symmetric per axis; for rank 1 a pair `(before, after)`), or a tuple of `rank` pairs."""
+
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if count(value):
+        return ((value, value),) * rank
+    if isinstance(value, (tuple, list)):
+        if rank == 1 and len(value) == 2 and all(count(v) for v in value):
+            return (tuple(value),)
+        if len(value) == rank and all(count(v) for v in value):
+            return tuple((v, v) for v in value)
+        if len(value) == rank and all(isinstance(p, (tuple, list)) and len(p) == 2 and all(count(v) for v in p)
+                                      for p in value):
+            return tuple(tuple(p) for p in value)
+    raise ValueError(f"Argument `{name}` must be a non-negative integer, a tuple of {rank} of them, or a tuple of "
+                     f"{rank} (before, after) pairs; received {name}={value!r}.")
+
+
+class ZeroPaddingDVI(MapLayer):
+    """Base class of `ZeroPadding1DDVI` / `ZeroPadding2DDVI` (see `ZeroPadding2DDVI`)."""
+
+    def __init__(self, padding=1, data_format=None, **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        self.padding = pairs("padding", padding, self.rank)
+
+    def _output_shape(self, input_shape):
+        spatial, channels = self._structure(input_shape)
+        out = tuple(None if n is None else n + b + a for n, (b, a) in zip(spatial, self.padding))
+        return packing.map_shape(input_shape, out, channels)
+
+    def _propagate(self, mean, variance, shared):
+        return packing.pack_map(*conv_moments.pad_moments(mean, variance, shared, self.padding))
+
+    def _sample(self, samples):
+        return ops.pad(samples, [(0, 0), (0, 0), *self.padding, (0, 0)])
+
+    def get_config(self):
+        config = super().get_config()
+        config["padding"] = self.padding
+        return config
+
+
+class CroppingDVI(MapLayer):
+    """Base class of `Cropping1DDVI` / `Cropping2DDVI` (see `Cropping2DDVI`)."""
+
+    def __init__(self, cropping=1, data_format=None, **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        self.cropping = pairs("cropping", cropping, self.rank)
+
+    def _output_shape(self, input_shape):
+        spatial, channels = self._structure(input_shape)
+        out = tuple(None if n is None else n - b - a for n, (b, a) in zip(spatial, self.cropping))
+        if any(n is not None and n < 1 for n in out):
+            raise ValueError(f"Layer {self.name!r}: cropping {self.cropping} leaves nothing of inputs of spatial "
+                             f"shape {tuple(spatial)}.")
+        return packing.map_shape(input_shape, out, channels)
+
+    def _propagate(self, mean, variance, shared):
+        return packing.pack_map(*conv_moments.crop_moments(mean, variance, shared, self.cropping))
+
+    def _sample(self, samples):
+        index = (slice(None),) * 2 + tuple(slice(b, -a if a else None) for b, a in self.cropping) + (slice(None),)
+        return samples[index]
+
+    def get_config(self):
+        config = super().get_config()
+        config["cropping"] = self.cropping
+        return config
+
+
+_DOC = """{what} of a keras-dvi feature map ({rank}D), arguments as `keras.layers.{keras_name}`.
+
+    Exact: {how}
+
+    Args:
+        {argument}: a non-negative integer (every side), a tuple of {rank} integers (both sides of
+            each spatial axis){pair}, or a tuple of {rank} `(before, after)` pairs.
+        data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
+            `keras.config.image_data_format()`.
+
+    Input shape:
+        A packed feature map `(batch, 3, {dims}, channels)` from a keras-dvi layer (channels
+        first: `(batch, 3, channels, {dims})`).
+
+    Output shape:
+        Packed, with each spatial axis {change}.
+
+    Examples:
+        >>> x = keras_dvi.Conv2DDVI(16, 3, regularizer=prior)(inputs)
+        >>> x = keras_dvi.{name}{example}(x)
+    """
+_PAD_HOW = "the new units are the constant 0 (mean, variance and shared component 0)."
+_CROP_HOW = "the units kept keep their moments."
+
+
+def _doc(kind, rank):
+    pad = kind == "ZeroPadding"
+    return _DOC.format(
+        what="Zero padding" if pad else "Cropping", rank=rank, keras_name=f"{kind}{rank}D",
+        how=_PAD_HOW if pad else _CROP_HOW, argument="padding" if pad else "cropping",
+        pair="; for 1D a pair `(before, after)`" if rank == 1 else "",
+        dims="steps" if rank == 1 else "rows, cols",
+        change="longer by its two paddings" if pad else "shorter by its two croppings",
+        name=f"{kind}{rank}DDVI", example="(1)" if rank == 1 else "((1, 1), (2, 2))")
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class ZeroPadding1DDVI(ZeroPaddingDVI):
+    __doc__ = _doc("ZeroPadding", 1)
+    rank = 1
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class ZeroPadding2DDVI(ZeroPaddingDVI):
+    __doc__ = _doc("ZeroPadding", 2)
+    rank = 2
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Cropping1DDVI(CroppingDVI):
+    __doc__ = _doc("Cropping", 1)
+    rank = 1
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Cropping2DDVI(CroppingDVI):
+    __doc__ = _doc("Cropping", 2)
+    rank = 2
