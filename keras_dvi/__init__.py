@@ -7,7 +7,7 @@ networks without gradients. The public API, by topic:
 
 * dense layers: `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`; regression heads
   `HomoscedasticNoise`, `TargetScaling`;
-* convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
+* convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
   `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, `ConcatenateDVI`,
   `BatchNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
@@ -49,6 +49,7 @@ _EXPORTS = {
     "TargetScaling": "keras_dvi.layers",
     "Conv1DDVI": "keras_dvi.layers",
     "Conv2DDVI": "keras_dvi.layers",
+    "DepthwiseConv2DDVI": "keras_dvi.layers",
     "Conv1DMCVI": "keras_dvi.layers",
     "Conv2DMCVI": "keras_dvi.layers",
     "MaxPooling1DDVI": "keras_dvi.layers",

@@ -38,8 +38,11 @@ def _activation_of(layer):
     """The activation a plain layer applies, as a keras-dvi name or `"softmax"`; `None` when it
     has none that keras-dvi can apply."""
     if isinstance(layer, keras.layers.ReLU):
-        plain = layer.max_value is None and float(layer.threshold) == 0.0 and float(layer.negative_slope) == 0.0
-        return "relu" if plain else None
+        if float(layer.threshold) != 0.0 or float(layer.negative_slope) != 0.0:
+            return None
+        if layer.max_value is None:
+            return "relu"
+        return "relu6" if float(layer.max_value) == moments.RELU6_BOUND else None
     if isinstance(layer, keras.layers.LeakyReLU):
         return "leaky_relu" if abs(float(layer.negative_slope) - moments.LEAKY_SLOPE) < 1e-9 else None
     if isinstance(layer, keras.layers.Softmax):
@@ -128,7 +131,7 @@ def _normalises_map_channels(batch_norm, graph):
 
 
 def _is_weight_layer(layer):
-    return isinstance(layer, (keras.layers.Dense, *_CONV))
+    return isinstance(layer, (keras.layers.Dense, keras.layers.DepthwiseConv2D, *_CONV))
 
 
 def _plan(graph):
@@ -172,8 +175,8 @@ def _plan(graph):
                     "(keras_dvi.BatchNormalizationDVI)." if batch_norm else
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}) can be folded "
                     "only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
-                    "alone, with activation 'relu', 'leaky_relu' (slope 0.2) or 'linear' (a softmax only at the "
-                    "output); other functions (ReLU6, SiLU, GELU, ...) have no Gaussian moments here. To keep the "
+                    "alone, with activation 'relu', 'relu6', 'leaky_relu' (slope 0.2) or 'linear' (a softmax only at "
+                    "the output); other functions (SiLU, GELU, ...) have no Gaussian moments here. To keep the "
                     "layers up to it plain, convert only the layers after it (`last_layers=k`).")
             if batch_norm:
                 folded[id(producer)] = layer
@@ -241,12 +244,15 @@ def _folded_weights(layer, batch_norm):
     if batch_norm is None:
         return kernel, (bias if layer.use_bias else None)
     get = lambda v, default: default if v is None else keras.ops.convert_to_numpy(v).astype("float64")  # noqa: E731
-    channels = kernel.shape[-1]
+    channels = int(batch_norm.moving_mean.shape[0])
     gamma = get(batch_norm.gamma, np.ones(channels))
     beta = get(batch_norm.beta, np.zeros(channels))
     mean, variance = get(batch_norm.moving_mean, None), get(batch_norm.moving_variance, None)
     scale = gamma / np.sqrt(variance + batch_norm.epsilon)
-    return kernel * scale, (bias - mean) * scale + beta
+    shift = (bias - mean) * scale + beta
+    if isinstance(layer, keras.layers.DepthwiseConv2D):  # output channel c * multiplier + j
+        scale = scale.reshape(kernel.shape[-2:])
+    return kernel * scale, shift
 
 
 def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, hidden_covariance="diagonal",
@@ -265,6 +271,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     |---|---|
     | `Dense` | `DenseDiagDVI` (hidden layers; `hidden_covariance="full"`: `DenseDVI`), `DenseDVI` (model outputs) |
     | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
+    | `DepthwiseConv2D` | `DepthwiseConv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
@@ -355,6 +362,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             full = key in graph.outputs or hidden_covariance == "full"
             converted = (dvi.DenseDVI if full else dvi.DenseDiagDVI).from_dense(
                 layer, kernel_variance, bias_variance, activation=act, **common)
+        elif isinstance(layer, keras.layers.DepthwiseConv2D):
+            if layer.padding not in ("valid", "same"):
+                raise ValueError(f"keras_dvi.convert: depthwise convolution {layer.name!r} must use 'valid' or 'same' "
+                                 "padding.")
+            converted = dvi.DepthwiseConv2DDVI.from_depthwise_conv(layer, kernel_variance, bias_variance,
+                                                                    activation=act, **common)
         elif isinstance(layer, tuple(_CONV)):
             if getattr(layer, "groups", 1) != 1 or layer.padding not in ("valid", "same"):
                 raise ValueError(f"keras_dvi.convert: convolution {layer.name!r} has groups or causal padding; "

@@ -77,6 +77,9 @@ JAX_SUITE = [
     "tests/test_conv.py::test_small_cnn_end_to_end_matches_monte_carlo[0.3-28-pre]",
     # zero padding, cropping, concatenation, batch normalisation: maths, network, save / load
     "tests/test_map_layers.py",
+    # depthwise convolutions and ReLU6 against Monte Carlo
+    "tests/test_conv.py::test_depthwise_network_with_relu6_matches_monte_carlo[0.3]",
+    "tests/test_moments.py::test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails",
     # TAGI: exactness, the paper's equations, the toy, fit / save / load (stateless steps)
     "tests/test_tagi.py",
     # the TAGI MNIST harness's compiled engine (JAX only): fit's weights, early stopping read off the curves

@@ -146,6 +146,8 @@ APPLICATIONS = {
     "DenseNet121": (keras.applications.DenseNet121, 32, {"ConcatenateDVI", "BatchNormalizationDVI",
                                                          "AveragePooling2DDVI"}),
     "InceptionV3": (keras.applications.InceptionV3, 75, {"ConcatenateDVI", "AveragePooling2DDVI"}),
+    "MobileNetV2": (lambda **kw: keras.applications.MobileNetV2(alpha=0.35, **kw), 32,
+                    {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI"}),
 }
 
 
@@ -163,6 +165,8 @@ def test_keras_applications_compute_the_plain_function(family):
     converted = kd.convert(plain, **TINY)
     kinds = {type(layer).__name__ for layer in converted.layers}
     assert needs <= kinds and not any("BatchNormalization" == kind for kind in kinds), kinds
+    if family == "MobileNetV2":  # its ReLU(6.0) layers fold in as relu6
+        assert any(getattr(layer, "activation", None) == "relu6" for layer in converted.layers)
     mean, _ = kd.unpack(converted(x))
     probabilities = to_numpy(keras.ops.softmax(mean))
     np.testing.assert_allclose(probabilities, to_numpy(plain(x, training=False)), atol=2e-5)

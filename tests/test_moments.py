@@ -30,7 +30,8 @@ def _leaky(a):
     return np.where(a > 0, a, 0.2 * a)
 
 
-ACTIVATION_FNS = {"relu": _relu, "heaviside": _heaviside, "leaky_relu": _leaky, "linear": lambda a: a}
+ACTIVATION_FNS = {"relu": _relu, "heaviside": _heaviside, "leaky_relu": _leaky, "linear": lambda a: a,
+                  "relu6": lambda a: np.clip(a, 0.0, 6.0)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +42,7 @@ def quad_one_unit(activation, m, v):
 
     def expect(g):
         lo, hi = m - 12 * s, m + 12 * s
-        pts = [p for p in (0.0,) if lo < p < hi]
+        pts = [p for p in (0.0, 6.0) if lo < p < hi]
         val, _ = integrate.quad(lambda a: g(a) * stats.norm.pdf(a, m, s), lo, hi, points=pts or None, epsabs=1e-13, epsrel=1e-12, limit=200)
         return val
 
@@ -105,7 +106,7 @@ def _oracle(activation, mj, ml, vj, vl, rho):
 # ------------------------------------------------------------------ one unit
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu", "linear"])
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu", "linear", "relu6"])
 @pytest.mark.parametrize("variance", [0.04, 1.0, 6.25])
 def test_one_unit_moments_match_quadrature(activation, variance, floatx):
     means = np.linspace(-3, 3, 13) * np.sqrt(variance)
@@ -119,7 +120,36 @@ def test_one_unit_moments_match_quadrature(activation, variance, floatx):
     np.testing.assert_allclose(to_numpy(var_h), oracle[:, 1], atol=tol * scale)
 
 
-@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu"])
+def test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails(floatx):
+    """ReLU6 (`min(max(a, 0), 6)`, MobileNets): means across both kinks and far beyond them,
+    variances from 1e-8 (the mass at one point: no cancellation in the variance) to 25."""
+    means, variances = (np.array(c, "float64") for c in zip(*itertools.product(
+        [-40.0, -4.0, -0.5, 0.0, 0.3, 3.0, 5.9, 6.0, 6.5, 9.0, 46.0], [1e-8, 0.01, 1.0, 25.0])))
+    def centred(m, v):  # the variance as E[(f - E f)^2]: no cancellation where it is tiny
+        f, s = ACTIVATION_FNS["relu6"], np.sqrt(v)
+        lo, hi = m - 12 * s, m + 12 * s
+        quad = lambda g: integrate.quad(lambda a: g(a) * stats.norm.pdf(a, m, s), lo, hi,  # noqa: E731
+                                        points=[p for p in (0.0, 6.0) if lo < p < hi] or None,
+                                        epsabs=1e-16, epsrel=1e-12, limit=400)[0]
+        first = quad(f)
+        return first, quad(lambda a: (f(a) - first) ** 2)
+
+    oracle = np.array([centred(m, v) for m, v in zip(means, variances)])
+    mean_h, var_h, slope = (to_numpy(t) for t in moments.activation_moments_and_slope(
+        keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(variances, floatx), "relu6"))
+    sd = np.sqrt(variances)
+    if floatx == "float64":
+        np.testing.assert_allclose(mean_h, oracle[:, 0], rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(var_h, oracle[:, 1], rtol=1e-7, atol=1e-13)
+    else:  # float32: relative to the unit's scale (its mean's round-off, its sd's)
+        scale = np.maximum(np.abs(means), 1.0)
+        np.testing.assert_array_less(np.abs(mean_h - oracle[:, 0]), 2e-6 * scale + 1e-6 * sd)
+        np.testing.assert_array_less(np.abs(var_h - oracle[:, 1]), 1e-3 * oracle[:, 1] + 1e-6 * scale * sd + 1e-12)
+    np.testing.assert_allclose(slope, stats.norm.cdf(6.0, means, sd) - stats.norm.cdf(0.0, means, sd),
+                               atol=1e-12 if floatx == "float64" else 1e-6)
+
+
+@pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu", "relu6"])
 def test_expected_derivative_matches_closed_form(activation):
     means = np.linspace(-3, 3, 13)
     variance = 2.0
@@ -129,11 +159,12 @@ def test_expected_derivative_matches_closed_form(activation):
         "relu": stats.norm.sf(0, means, sd),
         "heaviside": stats.norm.pdf(0, means, sd),
         "leaky_relu": 0.2 + 0.8 * stats.norm.sf(0, means, sd),
+        "relu6": stats.norm.cdf(6, means, sd) - stats.norm.cdf(0, means, sd),
     }[activation]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside"])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6"])
 def test_moments_and_slope_gradients_match_finite_differences(activation):
     """`activation_moments_and_slope` (ReLU's with its hand-written gradient): ReLU's values are
     the closed forms, and every activation's gradient matches central finite differences in
@@ -415,3 +446,7 @@ def test_unknown_activation_and_method_are_refused():
         moments.canonical_method("fast")
     assert moments.canonical_activation(None) == "linear"
     assert moments.canonical_activation(keras.activations.relu) == "relu"
+    with pytest.raises(ValueError, match="DenseDVI propagates a full covariance.*DenseDiagDVI"):
+        moments.canonical_covariance_activation("relu6", "DenseDVI")
+    with pytest.raises(ValueError, match="no closed-form covariance"):
+        moments.cross_covariance(*[keras.ops.ones((2,))] * 5, "relu6")

@@ -9,6 +9,7 @@ from keras_dvi.layers.conv_mcvi import Conv1DMCVI, Conv2DMCVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.dense_dvi import DenseDVI
 from keras_dvi.layers.dense_mcvi import DenseMCVI
+from keras_dvi.layers.depthwise_conv_dvi import DepthwiseConv2DDVI
 from keras_dvi.layers.flatten_dvi import FlattenDVI
 from keras_dvi.layers.global_inducing_conv import GlobalInducingConv2D
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
@@ -33,4 +34,4 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "ZeroPadding1DDVI",
-           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI"]
+           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI"]

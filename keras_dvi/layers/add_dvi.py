@@ -21,7 +21,7 @@ class AddDVI(MapLayer):
     block has no such closed form here.
 
     Args:
-        activation: `None` (default), `"relu"`, `"heaviside"` or `"leaky_relu"`, applied to
+        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`, applied to
             the sum (as in `relu(x + F(x))`).
         data_format: `"channels_last"` or `"channels_first"` (where the channel axis is: the
             shared components are per channel); `None` (default) is

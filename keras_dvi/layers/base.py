@@ -47,8 +47,9 @@ class BayesianLayer(KerasDVILayer):
     """Base class: a factorised Gaussian posterior over a kernel and a bias.
 
     Args:
-        activation: `None`/`"linear"`, `"relu"`, `"heaviside"` or `"leaky_relu"` (negative
-            slope 0.2).
+        activation: `None`/`"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
+            slope 0.2) or `"relu6"` (not in `DenseDVI` / `SkipDVI`, which propagate a full
+            covariance).
         use_bias: whether the layer has a (Bayesian) bias.
         kernel_mean_initializer: Keras initializer of the kernel posterior means.
         bias_mean_initializer: Keras initializer of the bias posterior means.

@@ -125,9 +125,9 @@ def sample_conv(layer, h, context):
     bias = None
     if bias_mean is not None:
         bias = bias_mean + ops.sqrt(bias_var) * keras.random.normal(
-            (context.num_samples, layer.filters), dtype=dtype, seed=context.seed_generator)
+            (context.num_samples, bias_mean.shape[-1]), dtype=dtype, seed=context.seed_generator)
     return conv_moments.sampled_conv(ops.cast(h, dtype), kernel_mean + ops.sqrt(kernel_var) * noise, bias,
-                                     **layer.conv.window())
+                                     depthwise=getattr(layer, "depthwise", False), **layer.conv.window())
 
 
 def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
@@ -164,9 +164,11 @@ def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
 
 
 class ConvDVI(BayesianLayer):
-    """Base class of `Conv1DDVI` / `Conv2DDVI` (see `Conv2DDVI`): subclasses set `rank`."""
+    """Base class of `Conv1DDVI` / `Conv2DDVI` (see `Conv2DDVI`) and `DepthwiseConv2DDVI`:
+    subclasses set `rank` (and `depthwise`)."""
 
     rank = None
+    depthwise = False
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
                  activation=None, **kwargs):
@@ -204,7 +206,7 @@ class ConvDVI(BayesianLayer):
         self._report_kl(training, mean if kind == packing.DETERMINISTIC else None)
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
         moments_a = conv_moments.conv_moments(mean, kernel_mean, kernel_var, bias_mean, bias_var, variance, shared,
-                                              **self.conv.window())
+                                              depthwise=self.depthwise, **self.conv.window())
         return self.conv.restore(packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation)))
 
     def _sample(self, inputs, context):
@@ -247,7 +249,7 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
             `keras.config.image_data_format()`. Channels-first tensors are transposed to
             channels last around the moment maths.
         dilation_rate: positive integer or tuple (default 1).
-        activation: `None` (linear), `"relu"`, `"heaviside"` or `"leaky_relu"`.
+        activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`.
         use_bias: whether to use a Bayesian bias.
         kernel_mean_initializer: initializer of the kernel posterior means (`"he_normal"`).
         bias_mean_initializer: initializer of the bias posterior means.

@@ -54,7 +54,7 @@ class DenseDVI(DenseBase):
     """
 
     def __init__(self, units, activation=None, covariance_approximation="paper", **kwargs):
-        super().__init__(units, activation=activation, **kwargs)
+        super().__init__(units, activation=moments.canonical_covariance_activation(activation, "DenseDVI"), **kwargs)
         self.covariance_approximation = moments.canonical_method(covariance_approximation)
 
     def compute_output_shape(self, input_shape):

@@ -140,7 +140,7 @@ _AVERAGE_HOW = """The window average of Gaussian units: exact within keras-dvi's
 
 
 _MAX_ARGS = """
-        activation: `None` (default), `"relu"`, `"heaviside"` or `"leaky_relu"`, applied to the
+        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`, applied to the
             max (see above)."""
 
 

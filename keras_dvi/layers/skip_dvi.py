@@ -56,6 +56,8 @@ class SkipDVI(BayesianLayer):
     _diagonal_output = False
 
     def __init__(self, activation="relu", covariance_approximation="paper", **kwargs):
+        if not self._diagonal_output:
+            activation = moments.canonical_covariance_activation(activation, type(self).__name__)
         super().__init__(activation=activation, **kwargs)
         self.covariance_approximation = moments.canonical_method(covariance_approximation)
 

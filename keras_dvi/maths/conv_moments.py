@@ -142,14 +142,31 @@ def _clip_to_sd(shared, variance):
     return ops.clip(shared, -bound, bound), grad
 
 
+def _through_columns(x, column, depthwise):
+    """`sum_c x[..., c] column[c, k]` for every output channel `k` of a convolution (`column`:
+    `(in, filters)`); for a depthwise one (`column`: `(in, multiplier)`) output channel
+    `c * multiplier + j` reads input channel `c` alone: `x[..., c] column[c, j]`."""
+    if not depthwise:
+        return ops.matmul(x, column)
+    out = ops.expand_dims(x, -1) * column
+    return ops.reshape(out, (-1,) + tuple(x.shape[1:-1]) + (x.shape[-1] * column.shape[-1],))
+
+
 def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None, variance=None,
-                 shared=None, strides=1, padding="valid", dilation_rate=1):
+                 shared=None, strides=1, padding="valid", dilation_rate=1, depthwise=False):
     """Moments of `a = conv(h, W) + b` with factorised Gaussian `W`, `b` (see module docstring).
+
+    With `depthwise=True`, `W` is a depthwise kernel `(*kernel_size, in, multiplier)` (Keras'
+    `DepthwiseConv2D`: output channel `c * multiplier + j` convolves input channel `c` alone)
+    and every term below is the same with `keras.ops.depthwise_conv` in place of the
+    convolution: a depthwise convolution is a convolution whose kernel is zero, with zero
+    variance, between different channels.
 
     Args:
         mean: `(batch, *spatial, in)` means of `h` (or the deterministic input).
-        kernel_mean: `(*kernel_size, in, filters)` posterior means `M`.
-        kernel_variance: `(*kernel_size, in, filters)` posterior variances `V` (>= 0).
+        kernel_mean: `(*kernel_size, in, filters)` posterior means `M` (depthwise: `(*kernel_size,
+            in, multiplier)`, `filters = in * multiplier`).
+        kernel_variance: posterior variances `V` (>= 0), the shape of `kernel_mean`.
         bias_mean: `(filters,)` or `None` (no bias).
         bias_variance: `(filters,)` or `None`.
         variance: `(batch, *spatial, in)` variances of `h`, or `None` (deterministic `h`).
@@ -157,11 +174,12 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
         strides: as in `keras.ops.conv`.
         padding: `"valid"` or `"same"`, as in `keras.ops.conv`.
         dilation_rate: as in `keras.ops.conv`.
+        depthwise: whether `W` is a depthwise kernel (above).
 
     Returns:
         `(mean_a, variance_a, shared_a)`, each `(batch, *out_spatial, filters)`.
     """
-    conv = functools.partial(ops.conv, strides=strides, padding=padding, data_format="channels_last",
+    conv = functools.partial(ops.depthwise_conv if depthwise else ops.conv, strides=strides, padding=padding, data_format="channels_last",
                              dilation_rate=dilation_rate)
     axes = spatial_axes(mean)
     mean_a = conv(mean, kernel_mean)
@@ -192,9 +210,9 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
         # The input's shared components through the kernel means, with `s` at its window mean:
         # sum_c (s_bar[p, c] sum_o M[o, c, k])^2, and its projection on the channel sums.
         column = ops.square(ops.sum(kernel_mean, axis=tuple(range(len(kernel_size)))))  # (in, filters)
-        var_a = var_a + ops.matmul(ops.square(s_bar), column)
-        numerator = numerator + ops.matmul(s_bar * total, column)
-        denominator = denominator + ops.matmul(ops.square(ops.squeeze(total, axis=axes)), column)
+        var_a = var_a + _through_columns(ops.square(s_bar), column, depthwise)
+        numerator = numerator + _through_columns(s_bar * total, column, depthwise)
+        denominator = denominator + _through_columns(ops.square(ops.squeeze(total, axis=axes)), column, depthwise)
     scale = ops.sqrt(ops.maximum(denominator, _FLOOR))
     for _ in axes:
         scale = ops.expand_dims(scale, 1)
@@ -466,14 +484,15 @@ def channel_affine_moments(mean, variance, shared, scale, shift):
     return mean * scale + shift, variance * ops.square(scale), shared * scale
 
 
-def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilation_rate=1):
+def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilation_rate=1, depthwise=False):
     """`conv(h_s, W_s) + b_s` for every sample `s` at once (the Monte Carlo reference and the
-    sampling baselines): one grouped convolution with the samples as groups.
+    sampling baselines): one grouped convolution with the samples as groups (`depthwise`: one
+    depthwise convolution over the samples' channels side by side).
 
     Args:
         inputs: `(samples, batch, *spatial, in)`.
         kernels: `(samples, *kernel_size, in, filters)`, one kernel per sample, shared by every
-            position and example.
+            position and example (depthwise: `(samples, *kernel_size, in, multiplier)`).
         bias: `(samples, filters)` or `None`.
         strides: as in `keras.ops.conv`.
         padding: `"valid"` or `"same"`, as in `keras.ops.conv`.
@@ -488,10 +507,17 @@ def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilatio
     x = ops.transpose(inputs, (1,) + spatial + (0, rank + 2))  # (batch, *spatial, samples, in)
     shape = ops.shape(x)
     x = ops.reshape(x, (-1,) + tuple(shape[1:rank + 1]) + (samples * channels,))
-    kernel = ops.transpose(kernels, tuple(range(1, rank + 2)) + (0, rank + 2))  # (*kernel, in, samples, filters)
-    kernel = ops.reshape(kernel, tuple(kernels.shape[1:rank + 1]) + (channels, samples * filters))
-    out = ops.conv(x, kernel, strides=strides, padding=padding, data_format="channels_last",
-                   dilation_rate=dilation_rate)
+    if depthwise:  # input channel s * in + c -> outputs (s * in + c) * multiplier + j
+        kernel = ops.transpose(kernels, tuple(range(1, rank + 1)) + (0, rank + 1, rank + 2))  # (*kernel, S, in, mult)
+        kernel = ops.reshape(kernel, tuple(kernels.shape[1:rank + 1]) + (samples * channels, filters))
+        out = ops.depthwise_conv(x, kernel, strides=strides, padding=padding, data_format="channels_last",
+                                 dilation_rate=dilation_rate)
+        filters = channels * filters
+    else:
+        kernel = ops.transpose(kernels, tuple(range(1, rank + 2)) + (0, rank + 2))  # (*kernel, in, samples, filters)
+        kernel = ops.reshape(kernel, tuple(kernels.shape[1:rank + 1]) + (channels, samples * filters))
+        out = ops.conv(x, kernel, strides=strides, padding=padding, data_format="channels_last",
+                       dilation_rate=dilation_rate)
     shape = ops.shape(out)
     out = ops.reshape(out, (-1,) + tuple(shape[1:rank + 1]) + (samples, filters))
     out = ops.transpose(out, (rank + 1, 0) + tuple(range(1, rank + 1)) + (rank + 2,))

@@ -66,8 +66,8 @@ def canonical_activation(activation):
     """Returns the canonical name of a supported activation, or raises `ValueError`.
 
     Args:
-        activation: `None`, `"linear"`, `"relu"`, `"heaviside"` or `"leaky_relu"` (negative
-            slope `LEAKY_SLOPE` = 0.2; case-insensitive).
+        activation: `None`, `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
+            slope `LEAKY_SLOPE` = 0.2) or `"relu6"` (`min(max(x, 0), 6)`; case-insensitive).
             `keras.activations.relu` and `keras.activations.linear` are accepted too.
 
     Returns:
@@ -85,6 +85,19 @@ def canonical_activation(activation):
         f"Argument `activation` must be one of None, {', '.join(repr(a) for a in ACTIVATIONS)}: "
         f"only these have closed-form Gaussian moments. Received: activation={activation!r}"
     )
+
+
+def canonical_covariance_activation(activation, layer):
+    """`canonical_activation` for a layer that propagates a full covariance (`DenseDVI`,
+    `SkipDVI`): the activation must have a pairwise covariance (`COVARIANCE_ACTIVATIONS`)."""
+    name = canonical_activation(activation)
+    if _ACTIVATIONS[name].covariance is None:
+        raise ValueError(
+            f"Argument `activation` of {layer} must be one of {', '.join(map(repr, COVARIANCE_ACTIVATIONS))}: "
+            f"{layer} propagates a full covariance, and {name!r} has no closed-form covariance between two "
+            f"units here. Use the diagonal layer (DenseDiagDVI, SkipDiagDVI) for it. Received: activation={name!r}"
+        )
+    return name
 
 
 def canonical_method(method):
@@ -247,8 +260,11 @@ def _relu_moments(mean, variance):
 def activation_moments_and_slope(mean, variance, activation):
     """`(E[f(a)], Var[f(a)], E[f'(a)])` for independent Gaussian units: `activation_moments`
     and `expected_derivative` in one pass (ReLU's share its normal densities and gradient)."""
-    if canonical_activation(activation) == "relu":
+    name = canonical_activation(activation)
+    if name == "relu":
         return _relu_moments_and_slope(mean, variance)
+    if name == "relu6":
+        return _relu6_moments_and_slope(mean, variance)
     mean_h, var_h = activation_moments(mean, variance, activation)
     return mean_h, var_h, expected_derivative(mean, variance, activation)
 
@@ -277,6 +293,44 @@ def _leaky_relu_moments(mean, variance):
     variance = ops.maximum(variance, 0.0)
     mean_h = a * mean + (1.0 - a) * mean_r
     return mean_h, a * a * variance + (1.0 - a) ** 2 * var_r + 2.0 * a * (1.0 - a) * variance * slope
+
+
+#: The upper bound of `relu6` (Keras' `ReLU(max_value=6)`, MobileNets).
+RELU6_BOUND = 6.0
+
+
+def _relu6_moments_and_slope(mean, variance):
+    """`(E[h], Var[h], E[f'(a)])` of `h = min(max(a, 0), 6)`, `a ~ N(m, S)`: with
+    `alpha = -m / sqrt(S)`, `beta = (6 - m) / sqrt(S)` and `Z = Phi(beta) - Phi(alpha)` (the
+    probability of the linear part, which is also `E[f'(a)]`), the truncated-normal moments of
+    the three pieces. Taken about `c = clip(m, 0, 6)`, the point the mass concentrates at as
+    `S -> 0`, so that the variance has no cancellation there:
+    `E[h - c] = -c Phi(alpha) + (m - c) Z + sqrt(S) (phi(alpha) - phi(beta)) + (6 - c) Phi(-beta)`,
+    `E[(h - c)^2] = c^2 Phi(alpha) + (m - c)^2 Z + 2 (m - c) sqrt(S) (phi(alpha) - phi(beta))
+    + S (Z + alpha phi(alpha) - beta phi(beta)) + (6 - c)^2 Phi(-beta)`."""
+    std = _safe_std(variance)
+    top = RELU6_BOUND
+    alpha, beta = _standardise(-mean, std), _standardise(top - mean, std)
+    pdf_a, pdf_b = normal_pdf(alpha), normal_pdf(beta)
+    below, above = normal_cdf(alpha), normal_cdf(-beta)
+    inside = _cdf_difference(beta, alpha)
+    centre = ops.clip(mean, 0.0, top)
+    offset = mean - centre
+    tails = std * (pdf_a - pdf_b)
+    first = -centre * below + offset * inside + tails + (top - centre) * above
+    second = (ops.square(centre) * below + ops.square(offset) * inside + 2.0 * offset * tails
+              + ops.maximum(variance, 0.0) * (inside + alpha * pdf_a - beta * pdf_b)
+              + ops.square(top - centre) * above)
+    return centre + first, ops.maximum(second - ops.square(first), 0.0), inside
+
+
+def _relu6_moments(mean, variance):
+    mean_h, var_h, _ = _relu6_moments_and_slope(mean, variance)
+    return mean_h, var_h
+
+
+def _relu6_derivative(mean, variance):
+    return _relu6_moments_and_slope(mean, variance)[2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,14 +481,20 @@ def cross_covariance(mean_j, mean_l, var_j, var_l, cov_jl, activation, method="p
         var_j: variances of the first (>= 0).
         var_l: variances of the second (>= 0).
         cov_jl: their covariance.
-        activation: `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (or `None`).
+        activation: one of `COVARIANCE_ACTIVATIONS` (`"linear"`, `"relu"`, `"heaviside"`,
+            `"leaky_relu"`) or `None`.
         method: `"paper"` or `"exact"`.
 
     Returns:
         The covariance of the two activations, shape of the broadcast inputs. Correlations
         are clipped strictly inside (-1, 1) first.
     """
-    return get_activation(activation).covariance(mean_j, mean_l, var_j, var_l, cov_jl, canonical_method(method))
+    entry = get_activation(activation)
+    if entry.covariance is None:
+        raise ValueError(f"Activation {entry.name!r} has no closed-form covariance between two units here; layers "
+                         f"that propagate a full covariance take {', '.join(map(repr, COVARIANCE_ACTIVATIONS))} "
+                         "(use the diagonal layers, DenseDiagDVI and the conv layers, for it).")
+    return entry.covariance(mean_j, mean_l, var_j, var_l, cov_jl, canonical_method(method))
 
 
 def _standardised_pair(mean_j, mean_l, var_j, var_l, cov_jl):
@@ -596,7 +656,8 @@ class Activation:
         moments: `(mean, variance) -> (E[f(a)], Var[f(a)])` for independent Gaussian units.
         derivative: `(mean, variance) -> E[f'(a)]` (Stein's lemma).
         covariance: `(mean_j, mean_l, var_j, var_l, cov_jl, method) -> Cov(f(a_j), f(a_l))`
-            for `method` `"paper"` or `"exact"`.
+            for `method` `"paper"` or `"exact"`, or `None` where keras-dvi has no closed form
+            (the activation then serves the layers with diagonal moments only).
         identity: whether `f` is the identity (moments pass through unchanged).
     """
 
@@ -604,7 +665,7 @@ class Activation:
     apply: Callable
     moments: Callable
     derivative: Callable
-    covariance: Callable
+    covariance: Callable | None
     identity: bool = False
 
 
@@ -620,8 +681,11 @@ _ACTIVATIONS = {
                    _leaky_relu_moments,
                    lambda m, v: LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * _relu_derivative(m, v),
                    _leaky_relu_covariance),
+        Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, None),
     )
 }
+#: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
+COVARIANCE_ACTIVATIONS = tuple(name for name, a in _ACTIVATIONS.items() if a.covariance is not None)
 #: Activations with closed-form moments. `None` and `"linear"` mean the identity.
 ACTIVATIONS = tuple(_ACTIVATIONS)
 

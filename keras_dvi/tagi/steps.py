@@ -25,6 +25,8 @@ def step_of(layer):
     """The step of a keras-dvi layer of a TAGI network (`TAGIModel` checks the layers first)."""
     if isinstance(layer, DenseDiagDVI):
         return DenseStep(layer.activation)
+    if isinstance(layer, ConvDVI) and layer.depthwise:
+        raise ValueError(f"TAGI has no step for the depthwise convolution {layer.name!r}.")
     if isinstance(layer, ConvDVI):
         return ConvStep(layer.activation, layer.kernel_size, layer.padding)
     if isinstance(layer, AveragePoolingDVI):
