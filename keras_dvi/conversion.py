@@ -291,8 +291,14 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     (a frozen backbone stays frozen), nested models and attention included. This serves any
     model whose head is a stack of dense or conv layers (a Transformer classifier, a
     `keras.applications` or KerasHub backbone under a dense head), the "Bayesian last layers"
-    of the Laplace and variational last-layer literature. A regression model whose head predicts
-    a mean only needs a noise model before training: append `keras_dvi.HomoscedasticNoise()`.
+    of the Laplace and variational last-layer literature.
+
+    **A classifier comes back compiled**, ready for `fit` and `keras_dvi.predict`: when the
+    plain model ends in a softmax or is compiled with a categorical cross-entropy, the
+    converted model is compiled with `SoftmaxDeltaELL` and a fresh copy of the plain model's
+    optimizer (`Adam(1e-3)` if it had none); compile it again to change either. A regression
+    model whose head predicts a mean only needs a noise model before training: append
+    `keras_dvi.HomoscedasticNoise()` and compile with `HeteroscedasticELL`.
 
     Args:
         model: a built `Sequential` or functional Keras model.

@@ -330,7 +330,8 @@ def _relu6_moments(mean, variance):
 
 
 def _relu6_derivative(mean, variance):
-    return _relu6_moments_and_slope(mean, variance)[2]
+    std = _safe_std(variance)  # P(0 < a < 6), without the moments
+    return _cdf_difference(_standardise(RELU6_BOUND - mean, std), _standardise(-mean, std))
 
 
 # --------------------------------------------------------------------------------------------
