@@ -56,6 +56,15 @@ def _activation_of(layer):
         return None
 
 
+def _function_name(layer):
+    """The name of the function an activation layer applies (for messages)."""
+    if isinstance(layer, keras.layers.ReLU):
+        return f"ReLU(max_value={layer.max_value}, negative_slope={layer.negative_slope}, threshold={layer.threshold})"
+    if isinstance(layer, keras.layers.LeakyReLU):
+        return f"LeakyReLU(negative_slope={layer.negative_slope})"
+    return getattr(getattr(layer, "activation", None), "__name__", type(layer).__name__)
+
+
 class _Graph:
     """What `convert` reads of the plain model's graph, through public Keras API only
     (`model.layers`, `layer.input`, `layer.output`): each layer's producers and readers."""
@@ -131,7 +140,65 @@ def _normalises_map_channels(batch_norm, graph):
 
 
 def _is_weight_layer(layer):
-    return isinstance(layer, (keras.layers.Dense, keras.layers.DepthwiseConv2D, *_CONV))
+    return isinstance(layer, (keras.layers.Dense, keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D, *_CONV))
+
+
+def _plain_parts(layer, on_vector):
+    """The plain layers a layer with weights converts as, built with its weights: a
+    `SeparableConv2D` is a `DepthwiseConv2D` (linear, no bias) and a 1x1 `Conv2D` (its bias and
+    activation); a 1x1 convolution on a channel vector (`_vectors`) is a `Dense`; any other
+    layer is itself."""
+    if on_vector:
+        kernel = keras.ops.convert_to_numpy(layer.kernel)
+        dense = keras.layers.Dense(layer.filters, activation=layer.activation, use_bias=layer.use_bias,
+                                   name=layer.name, dtype=layer.dtype_policy)
+        dense.build((None, kernel.shape[-2]))
+        dense.set_weights([kernel.reshape(kernel.shape[-2:])] + ([keras.ops.convert_to_numpy(layer.bias)]
+                                                                 if layer.use_bias else []))
+        return [dense]
+    if not isinstance(layer, keras.layers.SeparableConv2D):
+        return [layer]
+    if layer.padding not in ("valid", "same"):
+        raise ValueError(f"keras_dvi.convert: separable convolution {layer.name!r} must use 'valid' or 'same' padding.")
+    channels = int(layer.depthwise_kernel.shape[-2])
+    spatial = (None, None)
+    shape = (None, channels, *spatial) if layer.data_format == "channels_first" else (None, *spatial, channels)
+    depthwise = keras.layers.DepthwiseConv2D(
+        layer.kernel_size, strides=layer.strides, padding=layer.padding, depth_multiplier=layer.depth_multiplier,
+        data_format=layer.data_format, dilation_rate=layer.dilation_rate, use_bias=False,
+        name=f"{layer.name}_depthwise", dtype=layer.dtype_policy)
+    depthwise.build(shape)
+    depthwise.set_weights([keras.ops.convert_to_numpy(layer.depthwise_kernel)])
+    pointwise = keras.layers.Conv2D(layer.filters, 1, data_format=layer.data_format, activation=layer.activation,
+                                    use_bias=layer.use_bias, name=layer.name, dtype=layer.dtype_policy)
+    middle = channels * layer.depth_multiplier
+    pointwise.build((None, middle, *spatial) if layer.data_format == "channels_first" else (None, *spatial, middle))
+    pointwise.set_weights([keras.ops.convert_to_numpy(layer.pointwise_kernel)]
+                          + ([keras.ops.convert_to_numpy(layer.bias)] if layer.use_bias else []))
+    return [depthwise, pointwise]
+
+
+def _vectors(graph):
+    """The layers whose outputs are channel vectors: a global average pooling with
+    `keepdims=True` (a 1x1 map), and the 1x1 convolutions, `Reshape`s, `Flatten`s and
+    inference-time no-ops that follow it (MobileNets' heads). keras-dvi carries them in the
+    dense form: the pooling returns it, each convolution becomes a `Dense`, each reshape an
+    identity."""
+    vectors = set()
+    for layer in graph.layers:
+        producers = graph.producers[id(layer)]
+        if isinstance(layer, tuple(_GLOBAL_POOLING)):
+            if getattr(layer, "keepdims", False):
+                vectors.add(id(layer))
+            continue
+        if len(producers) != 1 or id(producers[0]) not in vectors:
+            continue
+        if isinstance(layer, tuple(_CONV)):
+            if all(int(k) == 1 for k in layer.kernel_size) and getattr(layer, "groups", 1) == 1:
+                vectors.add(id(layer))
+        elif isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten, *_INFERENCE_IDENTITY, *_ACTIVATION_LAYERS)):
+            vectors.add(id(layer))
+    return vectors
 
 
 def _plan(graph):
@@ -140,6 +207,9 @@ def _plan(graph):
     normalisation that cannot be folded becomes a `BatchNormalizationDVI` (an entry in the
     activations: the activation after it folds into it)."""
     activation, identity, folded, plain = {}, set(), {}, set()
+    vectors = _vectors(graph)
+    identity |= {id(layer) for layer in graph.layers
+                 if id(layer) in vectors and isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten))}
     started = set()  # layers at or after the first layer with weights
     for layer in graph.layers:
         after = _is_weight_layer(layer) or any(id(p) in started for p in graph.producers[id(layer)])
@@ -167,17 +237,22 @@ def _plan(graph):
             if batch_norm and not foldable and _normalises_map_channels(layer, graph):
                 activation[id(layer)] = "linear"  # a BatchNormalizationDVI
                 continue
+            if (not batch_norm and not foldable and name not in (None, "softmax") and _map_format(graph) is not None
+                    and len(layer.input.shape) >= 3 and id(layer) not in vectors):
+                activation[id(layer)] = name  # an ActivationDVI: its input has other readers
+                continue
             if not foldable:
                 raise ValueError(
                     f"keras_dvi.convert: BatchNormalization {layer.name!r} can be folded only into a linear Dense "
                     "or convolution that feeds it alone, normalising its channels (its inference-time scale and "
                     "shift then become that layer's weights), or normalise the channels of a feature map "
                     "(keras_dvi.BatchNormalizationDVI)." if batch_norm else
-                    f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}) can be folded "
-                    "only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
-                    "alone, with activation 'relu', 'relu6', 'leaky_relu' (slope 0.2) or 'linear' (a softmax only at "
-                    "the output); other functions (SiLU, GELU, ...) have no Gaussian moments here. To keep the "
-                    "layers up to it plain, convert only the layers after it (`last_layers=k`).")
+                    f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}"
+                    f"{'' if name else ' ' + repr(_function_name(layer))}) can be folded only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
+                    "alone, or stand on a feature map, with activation 'relu', 'relu6', 'leaky_relu' (slope 0.2) or "
+                    "'linear' (a softmax only at the output); other functions (SiLU / swish, hard SiLU, GELU, "
+                    "sigmoid, ...) have no Gaussian moment rule in keras-dvi. To keep the layers up to it plain, "
+                    "convert only the layers after it (`last_layers=k`).")
             if batch_norm:
                 folded[id(producer)] = layer
             else:
@@ -198,8 +273,8 @@ def _plan(graph):
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} has activation "
                 f"{getattr(layer.activation, '__name__', layer.activation)!r}, which has no closed-form Gaussian "
-                "moments here; keras-dvi layers apply 'relu', 'leaky_relu', 'heaviside' or none.")
-    return activation, identity, folded, plain
+                "moments here; keras-dvi layers apply 'relu', 'relu6', 'leaky_relu', 'heaviside' or none.")
+    return activation, identity, folded, plain, vectors
 
 
 def _head(model, last_layers):
@@ -272,9 +347,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `Dense` | `DenseDiagDVI` (hidden layers; `hidden_covariance="full"`: `DenseDVI`), `DenseDVI` (model outputs) |
     | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
     | `DepthwiseConv2D` | `DepthwiseConv2DDVI` |
+    | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
+    | the same on a feature map that other layers also read | `ActivationDVI` |
+    | `GlobalAveragePooling2D(keepdims=True)`, 1x1 `Conv2D`, `Reshape` (a channel-vector head) | `GlobalAveragePooling2DDVI`, `Dense*DVI`, identities |
     | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
     | any other `BatchNormalization` on a feature map's channels | `BatchNormalizationDVI` (inference statistics, fixed) |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
@@ -339,7 +417,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     if any(isinstance(layer, dvi.boundary.KerasDVILayer) for layer in graph.layers):
         raise ValueError("Argument `model` of keras_dvi.convert already has keras-dvi layers.")
     classifier = _is_classifier(model, graph)
-    activation, identity, folded, plain = _plan(graph)
+    activation, identity, folded, plain, vectors = _plan(graph)
     if last_layers is not None:  # every layer outside the head stays plain
         head = {id(layer) for layer in graph.layers}
         plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
@@ -364,29 +442,23 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             dropped.add(id(placeholder))
             return placeholder
         act = activation.get(key)
-        if isinstance(layer, keras.layers.Dense):
-            full = key in graph.outputs or hidden_covariance == "full"
-            converted = (dvi.DenseDVI if full else dvi.DenseDiagDVI).from_dense(
-                layer, kernel_variance, bias_variance, activation=act, **common)
-        elif isinstance(layer, keras.layers.DepthwiseConv2D):
-            if layer.padding not in ("valid", "same"):
-                raise ValueError(f"keras_dvi.convert: depthwise convolution {layer.name!r} must use 'valid' or 'same' "
-                                 "padding.")
-            converted = dvi.DepthwiseConv2DDVI.from_depthwise_conv(layer, kernel_variance, bias_variance,
-                                                                    activation=act, **common)
-        elif isinstance(layer, tuple(_CONV)):
-            if getattr(layer, "groups", 1) != 1 or layer.padding not in ("valid", "same"):
-                raise ValueError(f"keras_dvi.convert: convolution {layer.name!r} has groups or causal padding; "
-                                 "keras-dvi convolutions take groups=1 and 'valid' or 'same' padding.")
-            converted = _CONV[type(layer)].from_conv(layer, kernel_variance, bias_variance, activation=act, **common)
+        if _is_weight_layer(layer):
+            parts = _plain_parts(layer, key in vectors)
+            converted = [convert_weights(part, "linear", {"regularizer": regularizer, "name": part.name},
+                                         key in graph.outputs, None) for part in parts[:-1]]
+            converted.append(convert_weights(parts[-1], act, common, key in graph.outputs, folded.get(key)))
+            return converted[0] if len(converted) == 1 else tuple(converted)
+        if isinstance(layer, _ACTIVATION_LAYERS):
+            converted = dvi.ActivationDVI(act, data_format=first_format, name=layer.name)
         elif type(layer) in _POOLING:
             extra = {"activation": act} if act not in (None, "linear") else {}
             converted = _POOLING[type(layer)](layer.pool_size, layer.strides, layer.padding, layer.data_format,
                                               name=layer.name, **extra)
         elif type(layer) in _GLOBAL_POOLING:
-            if getattr(layer, "keepdims", False):
-                raise ValueError(f"keras_dvi.convert: {layer.name!r} keeps its dimensions; keras-dvi's global "
-                                 "pooling returns the dense form (keepdims=False).")
+            if getattr(layer, "keepdims", False) and not all(id(r) in vectors for r in graph.readers[key]):
+                raise ValueError(f"keras_dvi.convert: {layer.name!r} keeps its dimensions for a layer other than a 1x1 "
+                                 "convolution, Reshape, Flatten or Dropout; keras-dvi's global pooling returns the "
+                                 "dense form (keepdims=False).")
             converted = _GLOBAL_POOLING[type(layer)](data_format=layer.data_format, name=layer.name)
         elif isinstance(layer, keras.layers.Flatten):
             converted = dvi.FlattenDVI(data_format=layer.data_format, name=layer.name)
@@ -415,13 +487,32 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "activations, inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")
-        if key in folded:
-            kernel, bias = _folded_weights(layer, folded[key])
+        return converted
+
+    def convert_weights(layer, act, common, output, batch_norm):
+        """The keras-dvi layer of a plain `Dense`, convolution or depthwise convolution."""
+        if isinstance(layer, keras.layers.Dense):
+            full = output or hidden_covariance == "full"
+            converted = (dvi.DenseDVI if full else dvi.DenseDiagDVI).from_dense(
+                layer, kernel_variance, bias_variance, activation=act, **common)
+        elif isinstance(layer, keras.layers.DepthwiseConv2D):
+            if layer.padding not in ("valid", "same"):
+                raise ValueError(f"keras_dvi.convert: depthwise convolution {layer.name!r} must use 'valid' or 'same' "
+                                 "padding.")
+            converted = dvi.DepthwiseConv2DDVI.from_depthwise_conv(layer, kernel_variance, bias_variance,
+                                                                    activation=act, **common)
+        else:
+            if getattr(layer, "groups", 1) != 1 or layer.padding not in ("valid", "same"):
+                raise ValueError(f"keras_dvi.convert: convolution {layer.name!r} has groups or causal padding; "
+                                 "keras-dvi convolutions take groups=1 and 'valid' or 'same' padding.")
+            converted = _CONV[type(layer)].from_conv(layer, kernel_variance, bias_variance, activation=act, **common)
+        if batch_norm is not None:
+            kernel, bias = _folded_weights(layer, batch_norm)
             converted.set_posterior(kernel, converted.kernel_variance, bias)
         return converted
 
     if isinstance(model, keras.Sequential):
-        clones = [clone(layer) for layer in model.layers]
+        clones = [part for layer in model.layers for part in keras.tree.flatten(clone(layer))]
         converted = keras.Sequential([keras.Input(batch_shape=tuple(model.inputs[0].shape))]
                                      + [c for c in clones if id(c) not in dropped], name=model.name)
     else:
@@ -430,6 +521,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             if id(layer) in dropped:
                 return args[0]
             kwargs.pop("mask", None)  # (Keras records it for the plain layers that take one)
+            if isinstance(layer, tuple):  # a separable convolution: depthwise, then pointwise
+                return layer[1](layer[0](*args, **kwargs))
             return layer(*args, **kwargs)
 
         converted = keras.models.clone_model(model, clone_function=clone, call_function=call)

@@ -19,7 +19,7 @@ Where the state lives (every backend, every kind of model):
   (updated like a batch-normalisation statistic, saved with the model, so training resumes
   the schedule where it stopped);
 * the first keras-dvi layer of a network (the one whose input is deterministic data) owns the
-  network's `ELBOTracker` metric, so `model.metrics` lists it once;
+  network's `ELBOTracker` metric (`keras_dvi.elbo_tracker`), so `model.metrics` lists it once;
 * within one step of `fit` or `evaluate`, the layers hand their KL values to the keras-dvi
   loss, which updates the tracker (under JAX only updates made inside the loss computation
   reach the metrics). The hand-off is a `StepRecord` that the network's first layer opens on
@@ -39,7 +39,6 @@ produced (a plain layer such as `Dropout` between keras-dvi layers of a subclass
 """
 
 import math
-import weakref
 import warnings
 
 import keras
@@ -190,159 +189,6 @@ def kl_ramp(step, warmup_steps):
     return ops.clip((step + 1.0) / ops.cast(warmup_steps, "float32"), 0.0, 1.0)
 
 
-#: A classifier whose predictions carry less than this share of the information of their own
-#: average (`prediction_information`), or whose `nll` is no better than a uniform guess, after
-#: the KL warm-up, at two checks in a row, has collapsed to the prior.
-COLLAPSE_INFORMATION_SHARE = 0.1
-
-
-def prediction_information(probabilities):
-    """`(information, spread)` of a batch of class probabilities `(batch, C)`: the spread is the
-    entropy of the batch's average prediction, `H(mean p)`, and the information the predictions
-    carry about their inputs is `H(mean p) - mean H(p)` (the mutual information between the
-    input and the predicted class over the batch), in nats. A classifier at its prior predicts
-    the same distribution for every input: information 0."""
-    probabilities = ops.maximum(probabilities, 1e-12)
-    average = ops.mean(probabilities, axis=0)
-    spread = -ops.sum(average * ops.log(average))
-    own = -ops.sum(probabilities * ops.log(probabilities), axis=-1)
-    return spread - ops.mean(own), spread
-
-
-class HeadRef:
-    """A weak reference to a network's first keras-dvi layer, held by its tracker (a plain
-    object: Keras does not track it as a sub-layer of the metric)."""
-
-    def __init__(self, layer):
-        self.layer = weakref.ref(layer)
-
-
-class ELBOTracker(keras.metrics.Metric):
-    """The metric of a keras-dvi network: running means over steps of `nll` and `kl`.
-
-    `nll` is the batch mean of the negative expected log-likelihood reported by the loss, `kl`
-    the sum over layers of `KL / N` (without the warm-up or `kl_weight`), per step. Keras resets
-    it at every epoch and `evaluate`, and shows it in the progress bar, the `History` and
-    `evaluate`'s results.
-
-    For classifiers it also keeps the running means of `prediction_information` and of
-    `log C`, and checks them whenever Keras reads the result outside a compiled function (at
-    the end of every epoch of `fit`, and of `evaluate`): a classifier trained past its KL
-    warm-up whose predictions carry almost no information about its inputs, or whose `nll` is
-    no better than a uniform guess, at two such checks in a row, has collapsed to its prior,
-    and a warning says so, with the cause and the fixes.
-    """
-
-    def __init__(self, name="elbo", dtype="float32"):
-        super().__init__(name=name, dtype=dtype)
-        self.nll_total = self.add_variable(shape=(), initializer="zeros", name="nll_total")
-        self.kl_total = self.add_variable(shape=(), initializer="zeros", name="kl_total")
-        self.steps = self.add_variable(shape=(), initializer="zeros", name="steps")
-        self.information_total = self.add_variable(shape=(), initializer="zeros", name="information_total")
-        self.spread_total = self.add_variable(shape=(), initializer="zeros", name="spread_total")
-        self.log_classes_total = self.add_variable(shape=(), initializer="zeros", name="log_classes_total")
-        self.classified_steps = self.add_variable(shape=(), initializer="zeros", name="classified_steps")
-        self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
-
-    def update_state(self, nll, kl, classification=None):
-        """`classification`: `(information, spread, log C)` of the batch's predictions, or `None`."""
-        self.nll_total.assign_add(ops.cast(nll, self.dtype))
-        self.kl_total.assign_add(ops.cast(kl, self.dtype))
-        self.steps.assign_add(ops.cast(1.0, self.dtype))
-        if classification is not None:
-            for variable, value in zip((self.information_total, self.spread_total, self.log_classes_total),
-                                       classification):
-                variable.assign_add(ops.cast(value, self.dtype))
-            self.classified_steps.assign_add(ops.cast(1.0, self.dtype))
-
-    def result(self):
-        """`{"nll": ..., "kl": ...}`. Keras reads it at the end of every training or test step,
-        after the loss: a step of this network still open then was scored by no keras-dvi loss
-        (a warning if it was a training step), and is closed. Read outside a compiled function,
-        it also checks a classifier for a collapse to its prior."""
-        record = getattr(self, "open_record", None)
-        if record is not None:
-            self.open_record = None
-            if record.open:
-                record.close()
-                if record.training and not getattr(self, "warned_loss", False):
-                    self._warn_no_loss(record.head)
-        steps = ops.maximum(self.steps, 1.0)
-        nll = self.nll_total / steps
-        if _executing_eagerly(self.steps):
-            self._check_collapse(nll)
-        return {"nll": nll, "kl": self.kl_total / steps}
-
-    def _check_collapse(self, nll):
-        steps = float(ops.convert_to_numpy(self.classified_steps))
-        head = getattr(self, "head", None)
-        layer = None if head is None else head.layer()
-        if steps < 1 or layer is None or getattr(self, "warned_collapse", False):
-            return
-        if layer.regularizer is None or not layer.kl_term.warmup_done():
-            self.collapse_checks = 0
-            return
-        information, spread, log_classes = (float(ops.convert_to_numpy(v)) / steps for v in
-                                            (self.information_total, self.spread_total, self.log_classes_total))
-        nll = float(ops.convert_to_numpy(nll))
-        uninformed = information < COLLAPSE_INFORMATION_SHARE * max(spread, 1e-6)
-        if not (uninformed or nll >= log_classes - 0.01):
-            self.collapse_checks = 0
-            return
-        self.collapse_checks += 1
-        if self.collapse_checks < 2:
-            return
-        self.warned_collapse = True
-        from keras_dvi import priors
-
-        if not getattr(layer.regularizer, "accepts_auto_kl_weight", True):  # a global inducing prior
-            fixes = ("Fixes: a global inducing network leaves its prior as its precisions grow, "
-                     "so train longer (the paper's learning rate 1e-2 with the Appendix H "
-                     "`log_precision_scale`), start from data (`keras_dvi.initialize_from_data`), "
-                     "or state a tempered `kl_weight` below 1; ")
-        elif getattr(layer.regularizer, "kl_weight", None) == priors.AUTO_KL_WEIGHT:
-            fixes = ("Fixes: a Bayesian last layer over plain Keras layers, fewer weights, or more "
-                     "data (the KL weight is already the rule of kl_weight='auto'); ")
-        else:
-            fixes = ("Fixes: a tempered posterior by a stated rule, the priors' default "
-                     "`kl_weight='auto'` (KL weight min(1, N / P) for N examples and P weights, "
-                     "with `SoftmaxDeltaELL()`, Jankowiak's bound), a Bayesian last layer over "
-                     "plain Keras layers, or more data; ")
-        warnings.warn(
-            f"The classifier whose first keras-dvi layer is {layer.name!r} has collapsed to its "
-            f"prior: after the KL warm-up its predictions carry {information:.3f} nats of "
-            f"information about its inputs (against {spread:.3f} for the spread of its average "
-            f"prediction) and its nll is {nll:.3f} (a uniform guess: {log_classes:.3f}). It "
-            f"predicts about the same class probabilities for every input. Cause: the KL term "
-            f"(weight {layer.kl_term.weight_after_warmup():.3g} after the warm-up) outweighs what the data "
-            "can pay for, which happens with many weights per training example (small data sets, "
-            "wide networks, short runs): the posterior is pulled back to the prior. "
-            + fixes + "`kl_warmup_steps=0` makes this worse (the documentation's classification "
-            "guide).",
-            UserWarning,
-            stacklevel=2,
-        )
-
-    def _warn_no_loss(self, head):
-        self.warned_loss = True
-        warnings.warn(
-                f"The network whose first keras-dvi layer is {head!r} trained a step that no "
-                "keras-dvi loss scored: its loss reads the packed output (mean and (co)variance "
-                "rows, or weight samples) as if it were a prediction, and its `nll` is not "
-                "logged. Compile with a keras-dvi loss: "
-                "`keras_dvi.HeteroscedasticELL()` (regression) or `keras_dvi.SoftmaxDeltaELL()` "
-                "(classification); `SampledHeteroscedasticELL` / `SampledSoftmaxELL` for sampled layers. "
-                "(A custom loss that reads the moments with `keras_dvi.unpack` is legitimate.)",
-                UserWarning,
-                stacklevel=3,
-            )
-
-    def reset_state(self):
-        for variable in (self.nll_total, self.kl_total, self.steps, self.information_total, self.spread_total,
-                         self.log_classes_total, self.classified_steps):
-            variable.assign(ops.zeros((), dtype=variable.dtype))
-
-
 def start_step(tracker, training=False, head=None, inputs=None):
     """Called by the first keras-dvi layer of a forward pass (named `head`, reading the data
     `inputs`): opens the step's `StepRecord` on the model being stepped (nothing outside `fit`
@@ -352,7 +198,7 @@ def start_step(tracker, training=False, head=None, inputs=None):
     if model is None:
         return
     previous = getattr(model, RECORD, None)
-    trace = None if inputs is None else _trace_of(inputs)
+    trace = None if inputs is None else trace_of(inputs)
     if (training and previous is not None and previous.open and previous.tracker is not tracker
             and previous.training and previous.trace is trace and not getattr(tracker, "warned_second_head", False)):
         tracker.warned_second_head = True
@@ -391,7 +237,7 @@ def check_inputs(layer, inputs):
         return
     for tensor in keras.tree.flatten(inputs):
         shape = getattr(tensor, "shape", None)
-        if shape is None or not layer.takes_packed(shape) or _trace_of(tensor) is not record.trace:
+        if shape is None or not layer.takes_packed(shape) or trace_of(tensor) is not record.trace:
             continue
         if not any(tensor is produced for produced in record.produced):
             layer.warned_inputs = True
@@ -416,7 +262,7 @@ def add_kl(kl):
         record.kl.append(ops.stop_gradient(kl))
 
 
-def _trace_of(tensor):
+def trace_of(tensor):
     """What identifies the computation a tensor belongs to: `None` for a concrete value, the
     graph of a symbolic TensorFlow tensor, `"traced"` for a JAX tracer."""
     backend = keras.backend.backend()
@@ -431,16 +277,6 @@ def _trace_of(tensor):
     return None
 
 
-def _executing_eagerly(variable):
-    """Whether this code runs eagerly (with concrete values), not traced into a compiled
-    function: TensorFlow's executing mode, or a JAX variable's value that is no tracer."""
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly()
-    return _trace_of(ops.convert_to_tensor(variable)) is None
-
-
 def report_nll(nll, probabilities=None):
     """Called by the keras-dvi losses with the batch mean `nll` (and a classifier's predicted
     class probabilities `(batch, C)`, for the collapse check): closes the hand-off. KL values
@@ -450,15 +286,10 @@ def report_nll(nll, probabilities=None):
     if record is None:
         return
     tracker, kl = record.tracker, record.close()
-    trace = _trace_of(nll)
-    if any(_trace_of(value) is not trace for value in kl):
+    trace = trace_of(nll)
+    if any(trace_of(value) is not trace for value in kl):
         return
     total = ops.cast(0.0, "float32")
     for value in kl:
         total = total + ops.cast(value, "float32")
-    classification = None
-    if probabilities is not None:
-        probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
-        information, spread = prediction_information(probabilities)
-        classification = (information, spread, math.log(int(probabilities.shape[-1])))
-    tracker.update_state(ops.stop_gradient(nll), total, classification)
+    tracker.update_state(ops.stop_gradient(nll), total, probabilities)

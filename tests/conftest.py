@@ -41,6 +41,9 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)  # after `-k` / `-m` deselection
 def pytest_collection_modifyitems(config, items):
     if keras.backend.backend() == "tensorflow":
+        # The long tests first (a stable sort: the same order in every pytest-xdist worker), so
+        # that parallel workers do not end on one of them.
+        items.sort(key=lambda item: "heavy" not in item.keywords)
         _start_the_jax_suite_early(config, items)
         return
     skip = pytest.mark.skip(reason=f"TensorFlow-only feature; backend is {keras.backend.backend()}")
@@ -51,7 +54,9 @@ def pytest_collection_modifyitems(config, items):
 
 def _start_the_jax_suite_early(config, items):
     """When `test_backends.py`'s JAX run is selected, starts its subprocess now and moves the
-    test last: the JAX run overlaps the rest of the suite instead of following it."""
+    test last: the JAX run overlaps the rest of the suite instead of following it. Under
+    pytest-xdist the workers only move the test (identically, as xdist requires); the
+    controller starts the run once (`pytest_xdist_node_collection_finished`)."""
     from tests import test_backends
 
     selected = [item for item in items if item.nodeid == test_backends.JAX_SUITE_TEST]
@@ -59,17 +64,56 @@ def _start_the_jax_suite_early(config, items):
         return  # (without JAX the test skips itself)
     items.remove(selected[0])
     items.append(selected[0])
-    config.stash[test_backends.JAX_SUITE_KEY] = test_backends.start_jax_suite()
+    if not hasattr(config, "workerinput"):
+        _start_jax_suite(config)
+
+
+def _start_jax_suite(config):
+    import tempfile
+
+    from tests import test_backends
+
+    if config.stash.get(test_backends.JAX_SUITE_KEY, None) is None:
+        folder = config.stash.get(_JAX_SUITE_FOLDER, None) or tempfile.mkdtemp(prefix="keras_dvi_jax_suite_")
+        config.stash[test_backends.JAX_SUITE_KEY] = (test_backends.start_jax_suite(folder), folder)
+
+
+_JAX_SUITE_FOLDER = pytest.StashKey()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist controller: tells each worker the folder of the JAX run."""
+    import tempfile
+
+    from tests import test_backends
+
+    config = node.config
+    if config.stash.get(_JAX_SUITE_FOLDER, None) is None:
+        config.stash[_JAX_SUITE_FOLDER] = tempfile.mkdtemp(prefix="keras_dvi_jax_suite_")
+    node.workerinput[test_backends.JAX_SUITE_WORKERINPUT] = config.stash[_JAX_SUITE_FOLDER]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist controller: starts the JAX run as soon as a worker has collected its test."""
+    from tests import test_backends
+
+    if test_backends.JAX_SUITE_TEST in ids and importlib.util.find_spec("jax") is not None:
+        _start_jax_suite(node.config)
 
 
 def pytest_unconfigure(config):
     from tests import test_backends
 
     started = config.stash.get(test_backends.JAX_SUITE_KEY, None)
-    if started and started[0].poll() is None:  # the session ended before the test waited for it
-        started[0].kill()
-        started[0].wait()
-        os.remove(started[1])
+    if started:
+        test_backends.stop_jax_suite(*started)
+    folder = config.stash.get(_JAX_SUITE_FOLDER, None)
+    if folder:  # (an xdist session that did not select the JAX run)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def gradients(fn, arrays):

@@ -148,6 +148,11 @@ APPLICATIONS = {
     "InceptionV3": (keras.applications.InceptionV3, 75, {"ConcatenateDVI", "AveragePooling2DDVI"}),
     "MobileNetV2": (lambda **kw: keras.applications.MobileNetV2(alpha=0.35, **kw), 32,
                     {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI"}),
+    # the head: global pooling keeping its dimensions, a 1x1 convolution (a Dense), Reshape
+    "MobileNet": (lambda **kw: keras.applications.MobileNet(alpha=0.25, **kw), 32,
+                  {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "GlobalAveragePooling2DDVI", "DenseDiagDVI"}),
+    # separable convolutions (depthwise, then pointwise), ReLUs on maps other layers also read
+    "Xception": (keras.applications.Xception, 71, {"DepthwiseConv2DDVI", "ActivationDVI", "AddDVI"}),
 }
 
 
@@ -279,7 +284,19 @@ def test_what_cannot_be_converted_is_refused_by_name():
     refused([keras.layers.Dense(4, activation="relu"), keras.layers.BatchNormalization(name="norm"),
              keras.layers.Dense(2)], "BatchNormalization 'norm' can be folded only into a linear")
     refused([keras.layers.Dense(4), keras.layers.Activation("tanh", name="act"), keras.layers.Dense(2)],
-            "activation layer 'act'.*convert only the layers after it \\(`last_layers=k`\\)")
+            "activation layer 'act' \\(Activation 'tanh'\\).*convert only the layers after it \\(`last_layers=k`\\)")
+    # on a feature map that another layer also reads: an ActivationDVI, if keras-dvi has the function's rule
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(3, 3)(inputs)
+    h = keras.layers.Add()([h, keras.layers.Conv2D(3, 1)(keras.layers.Activation("gelu", name="gelu")(h))])
+    with pytest.raises(ValueError, match="activation layer 'gelu' \\(Activation 'gelu'\\).*GELU"):
+        kd.convert(keras.Model(inputs, keras.layers.Flatten()(h)))
+    # a global pooling keeping its dimensions for anything but a channel-vector head
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(3, 3)(inputs)
+    h = keras.layers.Add()([h, keras.layers.GlobalAveragePooling2D(keepdims=True, name="keep")(h)])
+    with pytest.raises(ValueError, match="'keep' keeps its dimensions"):
+        kd.convert(keras.Model(inputs, keras.layers.Flatten()(h)))
     refused([keras.layers.Dense(4), keras.layers.Dense(3, activation="softmax"), keras.layers.Dense(2)],
             "applies a softmax inside the network")
     refused([keras.layers.Dense(4), keras.layers.Reshape((2, 2)), keras.layers.LSTM(2, name="lstm")],

@@ -1,6 +1,7 @@
 """The moment functions against independent oracles: quadrature, closed forms, Monte Carlo."""
 
 import functools
+import math
 import itertools
 
 import keras
@@ -30,6 +31,16 @@ def _leaky(a):
     return np.where(a > 0, a, 0.2 * a)
 
 
+def _normal_pdf(x, m, s):
+    """N(x; m, s^2) in plain Python floats (scipy.stats' per-call overhead would dominate the
+    quadratures below)."""
+    return math.exp(-0.5 * ((x - m) / s) ** 2) / (s * math.sqrt(2.0 * math.pi))
+
+
+def _normal_cdf(z):
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
+
+
 ACTIVATION_FNS = {"relu": _relu, "heaviside": _heaviside, "leaky_relu": _leaky, "linear": lambda a: a,
                   "relu6": lambda a: np.clip(a, 0.0, 6.0)}
 
@@ -43,7 +54,7 @@ def quad_one_unit(activation, m, v):
     def expect(g):
         lo, hi = m - 12 * s, m + 12 * s
         pts = [p for p in (0.0, 6.0) if lo < p < hi]
-        val, _ = integrate.quad(lambda a: g(a) * stats.norm.pdf(a, m, s), lo, hi, points=pts or None, epsabs=1e-13, epsrel=1e-12, limit=200)
+        val, _ = integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi, points=pts or None, epsabs=1e-13, epsrel=1e-12, limit=200)
         return val
 
     e1 = expect(lambda a: f(np.asarray(a)))
@@ -60,12 +71,12 @@ def quad_cross(activation, mj, ml, vj, vl, rho):
     def inner(x):  # E[f(a_l) | a_j = x]
         cm = ml + c / vj * (x - mj)
         z = cm / cond_sd
-        relu_mean = cond_sd * stats.norm.pdf(z) + cm * stats.norm.cdf(z)
+        relu_mean = cond_sd * _normal_pdf(z, 0.0, 1.0) + cm * _normal_cdf(z)
         if activation == "relu":
             return relu_mean
         if activation == "leaky_relu":
             return 0.2 * cm + 0.8 * relu_mean
-        return stats.norm.cdf(z)
+        return _normal_cdf(z)
 
     f = ACTIVATION_FNS[activation]
     lo, hi = mj - 12 * sj, mj + 12 * sj
@@ -75,7 +86,7 @@ def quad_cross(activation, mj, ml, vj, vl, rho):
     if hi <= lo:
         joint = 0.0
     else:
-        joint, _ = integrate.quad(lambda x: f(np.asarray(x)) * inner(x) * stats.norm.pdf(x, mj, sj), lo, hi, points=pts, epsabs=1e-14, epsrel=1e-12, limit=400)
+        joint, _ = integrate.quad(lambda x: f(np.asarray(x)) * inner(x) * _normal_pdf(x, mj, sj), lo, hi, points=pts, epsabs=1e-14, epsrel=1e-12, limit=400)
     ej, _ = quad_one_unit(activation, mj, vj)
     el, _ = quad_one_unit(activation, ml, vl)
     return joint - ej * el
@@ -128,7 +139,7 @@ def test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails(float
     def centred(m, v):  # the variance as E[(f - E f)^2]: no cancellation where it is tiny
         f, s = ACTIVATION_FNS["relu6"], np.sqrt(v)
         lo, hi = m - 12 * s, m + 12 * s
-        quad = lambda g: integrate.quad(lambda a: g(a) * stats.norm.pdf(a, m, s), lo, hi,  # noqa: E731
+        quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
                                         points=[p for p in (0.0, 6.0) if lo < p < hi] or None,
                                         epsabs=1e-16, epsrel=1e-12, limit=400)[0]
         first = quad(f)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_dvi as kd
-from keras_dvi import objective
+from keras_dvi import elbo_tracker
 from tests.conftest import to_numpy
 from tests.test_priors import _numpy_eb_kl, _numpy_nll
 
@@ -673,19 +673,19 @@ def _wine_classifier(prior, method="jankowiak"):
 
 
 def test_prediction_information_against_its_definition():
-    """`objective.prediction_information` is the mutual information between the input and the
+    """`elbo_tracker.prediction_information` is the mutual information between the input and the
     predicted class over a batch: scipy's entropies of the average and of each prediction."""
     from scipy import stats
 
     rng = np.random.default_rng(3)
     p = rng.dirichlet(np.ones(4) * 0.5, size=32)
-    information, spread = (float(to_numpy(v)) for v in objective.prediction_information(keras.ops.convert_to_tensor(p)))
+    information, spread = (float(to_numpy(v)) for v in elbo_tracker.prediction_information(keras.ops.convert_to_tensor(p)))
     np.testing.assert_allclose(spread, stats.entropy(p.mean(0)), rtol=1e-5)
     np.testing.assert_allclose(information, stats.entropy(p.mean(0)) - np.mean(stats.entropy(p.T)), rtol=1e-4)
     same = np.tile(p[:1], (32, 1))  # the same prediction for every input: no information
-    assert abs(float(to_numpy(objective.prediction_information(keras.ops.convert_to_tensor(same))[0]))) < 1e-6
+    assert abs(float(to_numpy(elbo_tracker.prediction_information(keras.ops.convert_to_tensor(same))[0]))) < 1e-6
     one_hot = np.eye(4)[np.arange(32) % 4]  # confident and spread over the classes: log 4
-    np.testing.assert_allclose(float(to_numpy(objective.prediction_information(keras.ops.convert_to_tensor(one_hot))[0])),
+    np.testing.assert_allclose(float(to_numpy(elbo_tracker.prediction_information(keras.ops.convert_to_tensor(one_hot))[0])),
                                np.log(4), rtol=1e-5)
 
 

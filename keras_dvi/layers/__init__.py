@@ -1,5 +1,6 @@
 """Keras layers of keras-dvi."""
 
+from keras_dvi.layers.activation_dvi import ActivationDVI
 from keras_dvi.layers.add_dvi import AddDVI
 from keras_dvi.layers.base import BayesianLayer
 from keras_dvi.layers.batch_normalization_dvi import BatchNormalizationDVI
@@ -34,4 +35,4 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "ZeroPadding1DDVI",
-           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI"]
+           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI"]

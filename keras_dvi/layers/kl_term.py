@@ -14,7 +14,7 @@ metric. A layer's `call` uses it in two lines:
 import keras
 from keras import ops
 
-from keras_dvi import objective, priors, validation
+from keras_dvi import elbo_tracker, objective, priors, validation
 
 #: Names of the schedule's variables (saved with the model, in this order after the layer's
 #: own): the training steps taken, and the length of an `"auto"` warm-up (0: not planned yet).
@@ -53,8 +53,8 @@ class KLTerm:
         """Gives the layer the network's tracker if it is the network's first keras-dvi layer
         (its input is data), and takes it away if not."""
         if is_head and self.tracker is None:
-            self.tracker = objective.ELBOTracker()
-            self.tracker.head = objective.HeadRef(self.layer)  # (a weak reference)
+            self.tracker = elbo_tracker.ELBOTracker()
+            self.tracker.head = elbo_tracker.HeadRef(self.layer)  # (a weak reference)
         elif not is_head:
             self.tracker = None
 
