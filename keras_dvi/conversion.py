@@ -158,8 +158,6 @@ def _plain_parts(layer, on_vector):
         return [dense]
     if not isinstance(layer, keras.layers.SeparableConv2D):
         return [layer]
-    if layer.padding not in ("valid", "same"):
-        raise ValueError(f"keras_dvi.convert: separable convolution {layer.name!r} must use 'valid' or 'same' padding.")
     channels = int(layer.depthwise_kernel.shape[-2])
     spatial = (None, None)
     shape = (None, channels, *spatial) if layer.data_format == "channels_first" else (None, *spatial, channels)
@@ -444,8 +442,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         act = activation.get(key)
         if _is_weight_layer(layer):
             parts = _plain_parts(layer, key in vectors)
-            converted = [convert_weights(part, "linear", {"regularizer": regularizer, "name": part.name},
-                                         key in graph.outputs, None) for part in parts[:-1]]
+            converted = [convert_weights(part, "linear", {"regularizer": regularizer, "name": part.name}, False, None)
+                         for part in parts[:-1]]  # (a separable convolution's depthwise part)
             converted.append(convert_weights(parts[-1], act, common, key in graph.outputs, folded.get(key)))
             return converted[0] if len(converted) == 1 else tuple(converted)
         if isinstance(layer, _ACTIVATION_LAYERS):
