@@ -9,7 +9,7 @@ networks without gradients. The public API, by topic:
   `HomoscedasticNoise`, `TargetScaling`;
 * convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
-  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `ConcatenateDVI`,
+  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
   `BatchNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
@@ -61,6 +61,7 @@ _EXPORTS = {
     "FlattenDVI": "keras_dvi.layers",
     "AddDVI": "keras_dvi.layers",
     "ActivationDVI": "keras_dvi.layers",
+    "MultiplyDVI": "keras_dvi.layers",
     "ConcatenateDVI": "keras_dvi.layers",
     "BatchNormalizationDVI": "keras_dvi.layers",
     "ZeroPadding1DDVI": "keras_dvi.layers",

@@ -32,6 +32,9 @@ _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, kera
                        keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
                        keras.layers.ActivityRegularization, keras.layers.Identity)
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
+#: The activations `convert` carries, for messages.
+_SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'silu' / 'swish', 'gelu' (exact), 'sigmoid' or "
+              "'linear'")
 
 
 def _activation_of(layer):
@@ -177,17 +180,16 @@ def _plain_parts(layer, on_vector):
 
 
 def _vectors(graph):
-    """The layers whose outputs are channel vectors: a global average pooling with
-    `keepdims=True` (a 1x1 map), and the 1x1 convolutions, `Reshape`s, `Flatten`s and
-    inference-time no-ops that follow it (MobileNets' heads). keras-dvi carries them in the
-    dense form: the pooling returns it, each convolution becomes a `Dense`, each reshape an
-    identity."""
+    """The layers whose outputs are channel vectors: a global average pooling (with
+    `keepdims=True` a 1x1 map), and the 1x1 convolutions, `Reshape`s, `Flatten`s, activations
+    and inference-time no-ops that follow it (MobileNets' heads, squeeze-and-excitation
+    gates). keras-dvi carries them in the dense form: the pooling returns it, each convolution
+    becomes a `Dense`, each reshape an identity."""
     vectors = set()
     for layer in graph.layers:
         producers = graph.producers[id(layer)]
         if isinstance(layer, tuple(_GLOBAL_POOLING)):
-            if getattr(layer, "keepdims", False):
-                vectors.add(id(layer))
+            vectors.add(id(layer))
             continue
         if len(producers) != 1 or id(producers[0]) not in vectors:
             continue
@@ -247,10 +249,10 @@ def _plan(graph):
                     "(keras_dvi.BatchNormalizationDVI)." if batch_norm else
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}"
                     f"{'' if name else ' ' + repr(_function_name(layer))}) can be folded only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
-                    "alone, or stand on a feature map, with activation 'relu', 'relu6', 'leaky_relu' (slope 0.2) or "
-                    "'linear' (a softmax only at the output); other functions (SiLU / swish, hard SiLU, GELU, "
-                    "sigmoid, ...) have no Gaussian moment rule in keras-dvi. To keep the layers up to it plain, "
-                    "convert only the layers after it (`last_layers=k`).")
+                    f"alone, or stand on a feature map, with activation {_SUPPORTED} (a softmax only at the "
+                    "output); other functions (hard SiLU, ReLU with other bounds or thresholds, ...) have no "
+                    "Gaussian moment rule in keras-dvi. To keep the layers up to it plain, convert only the "
+                    "layers after it (`last_layers=k`).")
             if batch_norm:
                 folded[id(producer)] = layer
             else:
@@ -265,13 +267,13 @@ def _plan(graph):
         if _is_weight_layer(layer) and activation.get(id(layer)) == "softmax":
             if id(layer) not in graph.outputs:
                 raise ValueError(f"keras_dvi.convert: layer {layer.name!r} applies a softmax inside the network; "
-                                 "keras-dvi layers apply 'relu', 'leaky_relu', 'heaviside' or no activation.")
+                                 f"keras-dvi layers apply {_SUPPORTED}, 'heaviside' or none.")
             activation[id(layer)] = "linear"  # the logits
         if _is_weight_layer(layer) and activation.get(id(layer)) is None:
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} has activation "
                 f"{getattr(layer.activation, '__name__', layer.activation)!r}, which has no closed-form Gaussian "
-                "moments here; keras-dvi layers apply 'relu', 'relu6', 'leaky_relu', 'heaviside' or none.")
+                f"moments here; keras-dvi layers apply {_SUPPORTED}, 'heaviside' or none.")
     return activation, identity, folded, plain, vectors
 
 
@@ -348,9 +350,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
+    | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
     | the same on a feature map that other layers also read | `ActivationDVI` |
-    | `GlobalAveragePooling2D(keepdims=True)`, 1x1 `Conv2D`, `Reshape` (a channel-vector head) | `GlobalAveragePooling2DDVI`, `Dense*DVI`, identities |
+    | `GlobalAveragePooling2D`, then 1x1 `Conv2D`, `Reshape` (a channel-vector head or gate) | `GlobalAveragePooling2DDVI`, `Dense*DVI`, identities |
     | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
     | any other `BatchNormalization` on a feature map's channels | `BatchNormalizationDVI` (inference statistics, fixed) |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
@@ -472,6 +475,14 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         elif isinstance(layer, keras.layers.BatchNormalization):
             converted = dvi.BatchNormalizationDVI.from_batch_normalization(
                 layer, activation=None if act == "linear" else act, data_format=first_format)
+        elif isinstance(layer, keras.layers.Multiply):
+            inputs = layer.input
+            maps = [len(t.shape) >= 3 and id(p) not in vectors for t, p in zip(inputs, graph.producers[key])]
+            if len(inputs) != 2 or len(graph.producers[key]) != 2 or sorted(maps) != [False, True]:
+                raise ValueError(f"keras_dvi.convert: Multiply {layer.name!r} must multiply a feature map by a "
+                                 "per-channel gate computed from a global average pooling (squeeze-and-excitation, "
+                                 "keras_dvi.MultiplyDVI).")
+            converted = dvi.MultiplyDVI(data_format=first_format, name=layer.name)
         elif isinstance(layer, keras.layers.Add):
             if len(layer.input) != 2 or len(layer.input[0].shape) < 4:
                 raise ValueError(f"keras_dvi.convert: Add {layer.name!r} must add two feature maps (keras_dvi.AddDVI).")
@@ -480,7 +491,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         else:
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
-                "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Concatenate "
+                "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Multiply "
+                "(squeeze-and-excitation), Concatenate "
                 "(channels), ZeroPadding, Cropping, batch normalisation (folded or on feature maps), folded "
                 "activations, inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "

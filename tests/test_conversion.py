@@ -153,6 +153,9 @@ APPLICATIONS = {
                   {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "GlobalAveragePooling2DDVI", "DenseDiagDVI"}),
     # separable convolutions (depthwise, then pointwise), ReLUs on maps other layers also read
     "Xception": (keras.applications.Xception, 71, {"DepthwiseConv2DDVI", "ActivationDVI", "AddDVI"}),
+    # SiLU everywhere, squeeze-and-excitation gates (1x1 convs as dense layers, a sigmoid, Multiply)
+    "EfficientNetB0": (keras.applications.EfficientNetB0, 32, {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI",
+                                                               "MultiplyDVI", "DenseDiagDVI"}),
 }
 
 
@@ -170,8 +173,9 @@ def test_keras_applications_compute_the_plain_function(family):
     converted = kd.convert(plain, **TINY)
     kinds = {type(layer).__name__ for layer in converted.layers}
     assert needs <= kinds and not any("BatchNormalization" == kind for kind in kinds), kinds
-    if family == "MobileNetV2":  # its ReLU(6.0) layers fold in as relu6
-        assert any(getattr(layer, "activation", None) == "relu6" for layer in converted.layers)
+    if family in ("MobileNetV2", "EfficientNetB0"):  # ReLU(6.0) folds in as relu6; swish as silu
+        activations = {getattr(layer, "activation", None) for layer in converted.layers}
+        assert {"MobileNetV2": "relu6", "EfficientNetB0": "silu"}[family] in activations, activations
     mean, _ = kd.unpack(converted(x))
     probabilities = to_numpy(keras.ops.softmax(mean))
     np.testing.assert_allclose(probabilities, to_numpy(plain(x, training=False)), atol=2e-5)
@@ -288,8 +292,8 @@ def test_what_cannot_be_converted_is_refused_by_name():
     # on a feature map that another layer also reads: an ActivationDVI, if keras-dvi has the function's rule
     inputs = keras.Input((6, 6, 2))
     h = keras.layers.Conv2D(3, 3)(inputs)
-    h = keras.layers.Add()([h, keras.layers.Conv2D(3, 1)(keras.layers.Activation("gelu", name="gelu")(h))])
-    with pytest.raises(ValueError, match="activation layer 'gelu' \\(Activation 'gelu'\\).*GELU"):
+    h = keras.layers.Add()([h, keras.layers.Conv2D(3, 1)(keras.layers.Activation("hard_silu", name="hard")(h))])
+    with pytest.raises(ValueError, match="activation layer 'hard' \\(Activation 'hard_silu'\\).*hard SiLU"):
         kd.convert(keras.Model(inputs, keras.layers.Flatten()(h)))
     # a global pooling keeping its dimensions for anything but a channel-vector head
     inputs = keras.Input((6, 6, 2))

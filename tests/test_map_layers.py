@@ -174,6 +174,11 @@ def test_channels_first_computes_the_same_and_the_layers_save(tmp_path):
     ("relu", keras.layers.ReLU(), 1.0),
     ("relu6", keras.layers.ReLU(6.0), 4.0),  # means and spreads reaching both kinks
     ("leaky_relu", keras.layers.LeakyReLU(0.2), 1.0),
+    # the smooth activations, variances on both sides of SMOOTH_SWITCH (up to 18 with the stretch)
+    ("silu", keras.layers.Activation("swish"), 1.0),
+    ("silu", keras.layers.Activation("silu"), 3.0),
+    ("gelu", keras.layers.Activation("gelu"), 2.0),
+    ("sigmoid", keras.layers.Activation("sigmoid"), 3.0),
 ])
 def test_activation_matches_monte_carlo_through_keras_layers(activation, keras_layer, stretch):
     """`ActivationDVI` on a map against Keras' own activation layer on draws of the map: each
@@ -187,6 +192,84 @@ def test_activation_matches_monte_carlo_through_keras_layers(activation, keras_l
     packed = keras.ops.convert_to_tensor(np.stack(moments, axis=1).astype("float32"))
     out = to_numpy(layer(packed)).astype("float64")
     _assert_matches(_through(keras_layer, samples), z, (out[:, 0], out[:, 1], out[:, 2]))
+
+
+def test_gated_map_matches_monte_carlo_through_keras_layers():
+    """`MultiplyDVI`'s maths (`scale_moments`) against Keras' `Multiply` on draws of a map and
+    an independent per-channel gate (broadcast over the positions, as in squeeze-and-excitation):
+    each unit's mean and variance (exact for independent factors), and the variance of each
+    channel's mean over the positions (what a global pooling reads), which the one shared
+    factor per channel carries up to the stated excess: the gate's and the map's factors,
+    two per channel, become one, and each unit's own share of the two is over-stated by
+    `m_p^2 Var[g] + s_p^2 E[g^2] - s'_p^2` (zero when either factor is absent)."""
+    moments = _map(11)
+    samples, _ = _draw(moments, 12)
+    rng = np.random.default_rng(13)
+    gate_mean, gate_variance = rng.normal(0.5, 1.0, (3, 3)), rng.uniform(0.05, 0.5, (3, 3))
+    gates = gate_mean + np.sqrt(gate_variance) * rng.normal(size=(N, 3, 3))
+    n, batch = samples.shape[:2]
+    out = _keras(keras.layers.Multiply(), [samples, gates[:, :, None, None, :]]).reshape(samples.shape)
+    mean, variance, shared = (np.asarray(t, "float64") for t in conv_moments.scale_moments(
+        *(keras.ops.convert_to_tensor(t) for t in moments), keras.ops.convert_to_tensor(gate_mean),
+        keras.ops.convert_to_tensor(gate_variance)))
+    mc_mean, mc_var = out.mean(0), out.var(0)
+    se = np.sqrt(mc_var / n)
+    np.testing.assert_array_less(np.abs(mean - mc_mean), 5 * se)
+    var_se = np.sqrt(np.mean(((out - mc_mean) ** 2 - mc_var) ** 2, axis=0) / n)
+    np.testing.assert_array_less(np.abs(variance - mc_var), 5 * var_se)
+    pooled = out.mean(axis=(2, 3))  # (N, batch, channels)
+    positions = 20
+    m, _, s = moments
+    excess = (np.square(m) * gate_variance[:, None, None, :] + np.square(s) * (gate_mean**2 + gate_variance)[:, None, None, :]
+              - np.square(shared)).sum(axis=(1, 2)) / positions**2
+    got = (np.sum(variance - np.square(shared), axis=(1, 2)) / positions**2 + np.square(shared.sum(axis=(1, 2)) / positions))
+    pooled_se = np.sqrt(np.mean((np.square(pooled - pooled.mean(0)) - pooled.var(0)) ** 2, axis=0) / n)
+    assert (excess >= -1e-12).all()
+    np.testing.assert_array_less(np.abs(got - excess - pooled.var(0)), 5 * pooled_se)
+
+
+def _squeeze_excitation_network(data_format="channels_last"):
+    """EfficientNet's block in small: conv, batch normalisation, SiLU; squeeze (global average
+    pooling, `Reshape` to 1x1, 1x1 conv with SiLU, 1x1 conv with a sigmoid) and excitation
+    (`Multiply` of the map by the gate); a 1x1 projection and a dense head."""
+    f = {"data_format": data_format}
+    inputs = keras.Input((8, 8, 3) if data_format == "channels_last" else (3, 8, 8))
+    h = keras.layers.Conv2D(6, 3, padding="same", use_bias=False, **f)(inputs)
+    h = keras.layers.BatchNormalization(axis=-1 if data_format == "channels_last" else 1)(h)
+    h = keras.layers.Activation("swish")(h)
+    gate = keras.layers.GlobalAveragePooling2D(**f)(h)
+    gate = keras.layers.Reshape((1, 1, 6) if data_format == "channels_last" else (6, 1, 1))(gate)
+    gate = keras.layers.Conv2D(2, 1, activation="swish", **f)(gate)
+    gate = keras.layers.Conv2D(6, 1, activation="sigmoid", **f)(gate)
+    h = keras.layers.Multiply()([h, gate])
+    h = keras.layers.Conv2D(4, 1, activation="gelu", **f)(h)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D(**f)(h))
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_squeeze_and_excitation_converts_computes_the_plain_network_and_saves(tmp_path, data_format):
+    """A squeeze-and-excitation block converts (the gate's 1x1 convolutions become dense layers
+    with SiLU and sigmoid moments, the product `MultiplyDVI`); at tiny variances it computes the
+    plain network, at the default variances its outputs are finite with positive variances, and
+    it saves and loads (safe mode)."""
+    keras.utils.set_random_seed(3)
+    plain = _squeeze_excitation_network(data_format)
+    x = _images(rows=4, size=8, channels=3)
+    if data_format == "channels_first":
+        x = np.transpose(x, (0, 3, 1, 2))
+    tiny = kd.convert(plain, kernel_variance=1e-12, bias_variance=1e-12)
+    kinds = [type(layer).__name__ for layer in tiny.layers]
+    assert "MultiplyDVI" in kinds and kinds.count("DenseDiagDVI") == 2, kinds
+    assert {getattr(layer, "activation", None) for layer in tiny.layers} >= {"silu", "sigmoid", "gelu"}
+    np.testing.assert_allclose(to_numpy(kd.unpack(tiny(x))[0]), to_numpy(plain(x)), rtol=1e-4, atol=1e-5)
+    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=4))
+    mean, variance = (to_numpy(t) for t in kd.unpack(converted(x), covariance="diagonal"))
+    assert np.isfinite(mean).all() and (variance > 0).all()
+    path = str(tmp_path / "se.keras")
+    converted.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
 
 
 def test_activation_layer_saves_refuses_dense_inputs_and_converts_after_a_shared_sum(tmp_path):

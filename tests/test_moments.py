@@ -160,6 +160,85 @@ def test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails(float
                                atol=1e-12 if floatx == "float64" else 1e-6)
 
 
+#: The smooth activations and their derivatives, in plain floats (the oracle's integrands).
+SMOOTH_FNS = {
+    "silu": (lambda a: a / (1.0 + math.exp(-a)) if a > -700 else 0.0,
+             lambda a: (lambda s: s * (1.0 + a * (1.0 - s)))(1.0 / (1.0 + math.exp(-a))) if a > -700 else 0.0),
+    "gelu": (lambda a: a * _normal_cdf(a), lambda a: _normal_cdf(a) + a * math.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)),
+    "sigmoid": (lambda a: 1.0 / (1.0 + math.exp(-a)) if a > -700 else 0.0,
+                lambda a: (lambda s: s * (1.0 - s))(1.0 / (1.0 + math.exp(-a))) if a > -700 else 0.0),
+}
+#: The smooth activations' stated accuracy (float64, `|m| <= 4 sd`): `(below SMOOTH_SWITCH, S <= 4,
+#: 4 < S <= 100)`, each `(variance relative, mean / sd, slope absolute)`; GELU is exact (closed form).
+SMOOTH_ERRORS = {
+    "silu": ((1e-9, 1e-9, 1e-9), (2e-3, 1e-4, 1e-3), (5e-2, 5e-3, 2e-3)),
+    "sigmoid": ((1e-9, 1e-9, 1e-9), (1e-3, 1e-4, 1e-4), (4e-2, 1e-2, 1e-3)),
+    "gelu": ((1e-9, 1e-9, 1e-9),) * 3,
+}
+
+
+@pytest.mark.parametrize("activation", sorted(SMOOTH_FNS))
+def test_smooth_activations_match_quadrature_within_the_stated_error(activation):
+    """SiLU, GELU and sigmoid against adaptive quadrature of the exact integrals: the mean, the
+    variance (taken about the mean: no cancellation where it is tiny) and `E[f'(a)]`, on means
+    within 4 sd of 0 and beyond (the tails: absolute errors against `S`), variances from 1e-8 to
+    100 on both sides of `SMOOTH_SWITCH`. Exact to round-off below the switch and for GELU;
+    above it, the errors `SMOOTH_ERRORS` states (the docs' table quotes them)."""
+    f, derivative = SMOOTH_FNS[activation]
+    means = [-40.0, -12.0, -4.0, -1.5, 0.0, 0.7, 3.0, 9.0, 30.0]
+    variances = [1e-8, 0.1, 0.2499, 0.25, 1.0, 4.0, 16.0, 100.0]
+    grid = np.array(list(itertools.product(means, variances)))
+
+    def oracle(m, v):
+        s = math.sqrt(v)
+        lo, hi = m - 14 * s, m + 14 * s
+        quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
+                                        points=[0.0] if lo < 0.0 < hi else None, epsabs=1e-300, epsrel=1e-12,
+                                        limit=400)[0]
+        first = quad(f)
+        return first, quad(lambda a: (f(a) - first) ** 2), quad(derivative)
+
+    want = np.array([oracle(m, v) for m, v in grid])
+    got = np.stack([to_numpy(t) for t in moments.activation_moments_and_slope(
+        keras.ops.convert_to_tensor(grid[:, 0], "float64"), keras.ops.convert_to_tensor(grid[:, 1], "float64"),
+        activation)], axis=1)
+    m, v = grid[:, 0], grid[:, 1]
+    core = np.abs(m) <= 4 * np.sqrt(v)
+    for band, (var_rel, mean_sd, slope_abs) in zip(
+            [v < moments.SMOOTH_SWITCH, (v >= moments.SMOOTH_SWITCH) & (v <= 4), v > 4], SMOOTH_ERRORS[activation]):
+        rows = band & core
+        assert rows.any()
+        np.testing.assert_array_less(np.abs(got[rows, 1] - want[rows, 1]), var_rel * want[rows, 1] + 1e-300)
+        np.testing.assert_array_less(np.abs(got[rows, 0] - want[rows, 0]), mean_sd * np.sqrt(want[rows, 1]) + 1e-12)
+        np.testing.assert_array_less(np.abs(got[rows, 2] - want[rows, 2]), slope_abs + 1e-12)
+    tails = ~core  # far from 0 the unit is (nearly) linear or constant: errors small against S itself
+    np.testing.assert_array_less(np.abs(got[tails, 1] - want[tails, 1]), 1e-4 * v[tails] + 1e-13)
+    np.testing.assert_array_less(np.abs(got[tails, 0] - want[tails, 0]), 1e-4 * np.sqrt(v[tails]) + 1e-12)
+    np.testing.assert_array_less(np.abs(got[tails, 2] - want[tails, 2]), 1e-4)
+
+
+@pytest.mark.parametrize("activation", sorted(SMOOTH_FNS))
+def test_smooth_activations_are_finite_at_the_edges_and_deterministic_in_the_limit(activation, floatx):
+    """Values and gradients finite for means up to +-1e4 and variances from 0 to 1e6 (float32
+    too); at variance 0 and 1e-12 the unit is `f(m)` with slope `f'(m)` and no variance."""
+    means, variances = (np.array(c, floatx) for c in zip(*itertools.product(
+        [-1e4, -60.0, -3.0, -1e-3, 0.0, 1e-3, 3.0, 60.0, 1e4], [0.0, 1e-30, 1e-12, 0.2499, 0.25, 3.0, 1e6])))
+
+    def total(m, v):
+        return sum(keras.ops.sum(o) for o in moments.activation_moments_and_slope(m, v, activation))
+
+    value, grads = gradients(total, [means, variances])
+    assert np.isfinite(value) and all(np.isfinite(g).all() for g in grads)
+    f, derivative = SMOOTH_FNS[activation]
+    sure = variances <= 1e-12
+    mean_h, var_h, slope = (to_numpy(t).astype("float64") for t in moments.activation_moments_and_slope(
+        keras.ops.convert_to_tensor(means[sure]), keras.ops.convert_to_tensor(variances[sure]), activation))
+    tol = 1e-6 if floatx == "float32" else 1e-12
+    np.testing.assert_allclose(mean_h, [f(float(a)) for a in means[sure]], rtol=tol, atol=tol)
+    np.testing.assert_allclose(slope, [derivative(float(a)) for a in means[sure]], rtol=1e-5, atol=tol)
+    assert (var_h >= 0).all() and (var_h <= 1e-10).all()
+
+
 @pytest.mark.parametrize("activation", ["relu", "heaviside", "leaky_relu", "relu6"])
 def test_expected_derivative_matches_closed_form(activation):
     means = np.linspace(-3, 3, 13)
@@ -175,7 +254,7 @@ def test_expected_derivative_matches_closed_form(activation):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6"])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6", "silu", "gelu", "sigmoid"])
 def test_moments_and_slope_gradients_match_finite_differences(activation):
     """`activation_moments_and_slope` (ReLU's with its hand-written gradient): ReLU's values are
     the closed forms, and every activation's gradient matches central finite differences in

@@ -21,7 +21,8 @@ class ActivationDVI(MapLayer):
     them through the activation, as after the residual additions of Xception.
 
     Args:
-        activation: `"relu"`, `"relu6"`, `"leaky_relu"`, `"heaviside"` or `None` (linear).
+        activation: `"relu"`, `"relu6"`, `"leaky_relu"`, `"heaviside"`, `"silu"` (`"swish"`),
+            `"gelu"`, `"sigmoid"` or `None` (linear).
         data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
             `keras.config.image_data_format()`.
 

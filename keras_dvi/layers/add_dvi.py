@@ -21,7 +21,8 @@ class AddDVI(MapLayer):
     block has no such closed form here.
 
     Args:
-        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`, applied to
+        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
+            `"silu"`, `"gelu"` or `"sigmoid"`, applied to
             the sum (as in `relu(x + F(x))`).
         data_format: `"channels_last"` or `"channels_first"` (where the channel axis is: the
             shared components are per channel); `None` (default) is

@@ -48,8 +48,8 @@ class BayesianLayer(KerasDVILayer):
 
     Args:
         activation: `None`/`"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
-            slope 0.2) or `"relu6"` (not in `DenseDVI` / `SkipDVI`, which propagate a full
-            covariance).
+            slope 0.2), or `"relu6"`, `"silu"` (`"swish"`), `"gelu"`, `"sigmoid"` (these four not
+            in `DenseDVI` / `SkipDVI`, which propagate a full covariance).
         use_bias: whether the layer has a (Bayesian) bias.
         kernel_mean_initializer: Keras initializer of the kernel posterior means.
         bias_mean_initializer: Keras initializer of the bias posterior means.

@@ -29,7 +29,8 @@ class BatchNormalizationDVI(MapLayer):
         epsilon: added to the variance (default 1e-3, Keras' default).
         center: whether the layer has `beta` (default `True`).
         scale: whether the layer has `gamma` (default `True`).
-        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`, applied after
+        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
+            `"silu"`, `"gelu"` or `"sigmoid"`, applied after
             the normalisation (as in `BatchNormalization` + `ReLU`).
         data_format: `"channels_last"` or `"channels_first"` (where the channel axis is);
             `None` (default) is `keras.config.image_data_format()`.

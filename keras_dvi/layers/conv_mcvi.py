@@ -81,7 +81,8 @@ _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by s
         data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
             `keras.config.image_data_format()`.
         dilation_rate: positive integer or tuple (default 1).
-        activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`.
+        activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
+            `"silu"`, `"gelu"` or `"sigmoid"`.
         num_samples: kernel draws per call (first layer; later layers follow its sample axis).
         seed: integer seed of the draws (`None`: from Keras' global seed).
         **kwargs: the other arguments of `Conv{rank}DDVI` (`use_bias`, initializers,

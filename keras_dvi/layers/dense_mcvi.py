@@ -24,7 +24,8 @@ class DenseMCVI(DenseBase):
 
     Args:
         units: positive integer, output width.
-        activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"` or `"relu6"`.
+        activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
+            `"silu"`, `"gelu"` or `"sigmoid"`.
         num_samples: weight draws per call (first layer; later layers follow its sample axis).
         local_reparameterization: draw pre-activations instead of weights (see above).
         seed: integer seed of the draws (`None`: from Keras' global seed).

@@ -47,6 +47,8 @@ re-expresses them as one factor per output channel, below).
   keras-dvi layer does (the dense layers' own weight noise then dominates the output
   variance).
 * residual addition (`add_moments`): the two branches are taken to be independent.
+* a map times a per-channel gate (`scale_moments`, squeeze-and-excitation): the map and the
+  gate are taken to be independent (the gate is computed from the map's global average).
 * zero padding, cropping, concatenation along channels and a per-channel affine map (batch
   normalisation with fixed statistics): exact within the representation (`pad_moments`,
   `crop_moments`, `concatenate_moments`, `channel_affine_moments`).
@@ -445,6 +447,26 @@ def add_moments(first, second):
     scale = ops.sqrt(ops.maximum(ops.square(t1) + ops.square(t2), _FLOOR))
     variance = v1 + v2
     return m1 + m2, variance, _clip_shared((s1 * t1 + s2 * t2) / scale, variance)
+
+
+def scale_moments(mean, variance, shared, gate_mean, gate_variance):
+    """Moments of a feature map times a per-channel gate `g` (`(batch, channels)`, broadcast
+    over the positions: squeeze-and-excitation), the map and the gate taken to be independent:
+    `E[x g] = m E[g]`, `Var[x g] = m^2 Var[g] + v E[g^2]` (exact for independent factors). The
+    gate is one draw per channel, so it adds a factor shared by the channel's positions,
+    `m_p (g - E[g])`, beside the map's own `s_p z E[g]`; the two become one, the projection of
+    each unit on its channel's sum (as `add_moments`):
+    `s'_p = (m_p T_m Var[g] + s_p T_s E[g^2]) / sqrt(T_m^2 Var[g] + T_s^2 E[g^2])`, `T_m`, `T_s`
+    the channel's sums of `m` and `s`. Returns `(mean, variance, shared)`."""
+    axes = spatial_axes(mean)
+    shape = (-1,) + (1,) * len(axes) + (int(mean.shape[-1]) if mean.shape[-1] is not None else -1,)
+    gate_mean, gate_variance = ops.reshape(gate_mean, shape), ops.reshape(ops.maximum(gate_variance, 0.0), shape)
+    gate_second = ops.square(gate_mean) + gate_variance
+    variance_out = ops.square(mean) * gate_variance + variance * gate_second
+    t_m, t_s = ops.sum(mean, axis=axes, keepdims=True), ops.sum(shared, axis=axes, keepdims=True)
+    scale = ops.sqrt(ops.maximum(ops.square(t_m) * gate_variance + ops.square(t_s) * gate_second, _FLOOR))
+    shared_out = (mean * t_m * gate_variance + shared * t_s * gate_second) / scale
+    return mean * gate_mean, variance_out, _clip_shared(shared_out, variance_out)
 
 
 def pad_moments(mean, variance, shared, pads):

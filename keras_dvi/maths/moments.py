@@ -67,8 +67,9 @@ def canonical_activation(activation):
 
     Args:
         activation: `None`, `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
-            slope `LEAKY_SLOPE` = 0.2) or `"relu6"` (`min(max(x, 0), 6)`; case-insensitive).
-            `keras.activations.relu` and `keras.activations.linear` are accepted too.
+            slope `LEAKY_SLOPE` = 0.2), `"relu6"` (`min(max(x, 0), 6)`), or the smooth
+            `"silu"` (alias `"swish"`), `"gelu"` (exact, `x Phi(x)`) and `"sigmoid"`
+            (case-insensitive). Keras' activation functions of these names are accepted too.
 
     Returns:
         One of `ACTIVATIONS`.
@@ -78,12 +79,12 @@ def canonical_activation(activation):
     if callable(activation):
         activation = getattr(activation, "__name__", repr(activation))
     if isinstance(activation, str):
-        name = activation.lower()
+        name = _ALIASES.get(activation.lower(), activation.lower())
         if name in ACTIVATIONS:
             return name
     raise ValueError(
         f"Argument `activation` must be one of None, {', '.join(repr(a) for a in ACTIVATIONS)}: "
-        f"only these have closed-form Gaussian moments. Received: activation={activation!r}"
+        f"only these have Gaussian moment rules in keras-dvi. Received: activation={activation!r}"
     )
 
 
@@ -265,6 +266,8 @@ def activation_moments_and_slope(mean, variance, activation):
         return _relu_moments_and_slope(mean, variance)
     if name == "relu6":
         return _relu6_moments_and_slope(mean, variance)
+    if name in _SMOOTH:
+        return _SMOOTH[name](mean, variance)
     mean_h, var_h = activation_moments(mean, variance, activation)
     return mean_h, var_h, expected_derivative(mean, variance, activation)
 
@@ -332,6 +335,160 @@ def _relu6_moments(mean, variance):
 def _relu6_derivative(mean, variance):
     std = _safe_std(variance)  # P(0 < a < 6), without the moments
     return _cdf_difference(_standardise(RELU6_BOUND - mean, std), _standardise(-mean, std))
+
+
+# --------------------------------------------------------------------------------------------
+# Smooth activations (SiLU / swish, GELU, sigmoid): closed forms and quadrature
+# --------------------------------------------------------------------------------------------
+
+#: Gauss-Hermite nodes of the smooth activations' moments (probabilists' form, weights summing
+#: to 1): `E[u(a)] ~ sum_i w_i u(m + sqrt(S) x_i)`.
+SMOOTH_NODES = 20
+_GH_NODES, _GH_WEIGHTS = np.polynomial.hermite_e.hermegauss(SMOOTH_NODES)
+_GH_WEIGHTS = _GH_WEIGHTS / _GH_WEIGHTS.sum()
+#: Below this pre-activation variance a smooth activation is smooth at the scale of the spread,
+#: and its moments are quadrature of `f` itself, taken about `f(m)` (no cancellation as
+#: `S -> 0`, exact at `S = 0`); at and above it, the closed form of a companion function plus
+#: quadrature of the small, smooth difference (`_smooth_moments`).
+SMOOTH_SWITCH = 0.25
+#: The probit slope of the companions: `sigmoid(x) ~ Phi(LAMBDA x)` (equal slopes at 0).
+PROBIT_SLOPE = math.sqrt(math.pi / 8.0)
+
+
+def _gelu_closed(mean, variance):
+    """`(E[f], Var[f], E[f'])` of `f(a) = a Phi(a)` (exact GELU), `a ~ N(m, S)`, in closed form.
+
+    With `h = m / sqrt(1 + S)`, `c = E[phi(a)] = phi(h) / sqrt(1 + S)`: `E[f] = m Phi(h) + S c`
+    and `E[f'] = Phi(h) + c m / (1 + S)` (Stein's lemma). `E[f^2] = E[a^2 G(a)]`, `G = Phi^2`,
+    by Stein's lemma twice from `E[G] = Phi2(h, h; S / (1 + S))` (Owen's T),
+    `E[Phi phi] = c Phi(k)`, `E[phi^2] = exp(-m^2 / (1 + 2S)) / (2 pi sqrt(1 + 2S))` and
+    `E[a Phi phi] = c (m' Phi(k) + S' phi(k) sqrt((1 + S) / (1 + 2S)))`, where
+    `k = m / sqrt((1 + S)(1 + 2S))`, `m' = m / (1 + S)`, `S' = S / (1 + S)`. The variance is
+    `E[f^2] - E[f]^2`: accurate where `S` is not small against `E[f^2]` (`_smooth_moments`
+    uses it from `SMOOTH_SWITCH` on)."""
+    variance = ops.maximum(variance, 0.0)
+    one_s, one_2s = 1.0 + variance, 1.0 + 2.0 * variance
+    root_s = ops.sqrt(one_s)
+    h = mean / root_s
+    cdf_h, pdf_h = normal_cdf(h), normal_pdf(h)
+    c = pdf_h / root_s
+    k = mean / ops.sqrt(one_s * one_2s)
+    cdf_k, pdf_k = normal_cdf(k), normal_pdf(k)
+    rho = clip_correlation(variance / one_s)
+    e_g = ops.square(cdf_h) + bivariate_normal_cdf_excess(h, h, rho)
+    e_g1 = 2.0 * c * cdf_k  # E[G'], G' = 2 Phi phi
+    e_pp = ops.exp(-ops.square(mean) / one_2s) / (_TWO_PI * ops.sqrt(one_2s))
+    e_aPp = c * (mean / one_s * cdf_k + variance / one_s * pdf_k * ops.sqrt(one_s / one_2s))
+    e_g2 = 2.0 * e_pp - 2.0 * e_aPp  # E[G''], G'' = 2 phi^2 - 2 a Phi phi
+    e_a_g1 = mean * e_g1 + variance * e_g2
+    e_a_g = mean * e_g + variance * e_g1
+    e_a2_g = mean * e_a_g + variance * (e_g + e_a_g1)
+    mean_f = mean * cdf_h + variance * c
+    return mean_f, ops.maximum(e_a2_g - ops.square(mean_f), 0.0), cdf_h + c * mean / one_s
+
+
+def _scaled_gelu_closed(mean, variance):
+    """`_gelu_closed` of `g(x) = x Phi(lambda x) = gelu(lambda x) / lambda`, SiLU's companion."""
+    lam = PROBIT_SLOPE
+    mean_g, var_g, slope = _gelu_closed(lam * mean, lam * lam * variance)
+    return mean_g / lam, var_g / (lam * lam), slope
+
+
+def _probit_closed(mean, variance):
+    """`(E[g], Var[g], E[g'])` of `g(x) = Phi(lambda x)`, the sigmoid's companion: with
+    `h = lambda m / sqrt(1 + lambda^2 S)`, `E[g] = Phi(h)`,
+    `Var[g] = Phi2(h, h; rho) - Phi(h)^2`, `rho = lambda^2 S / (1 + lambda^2 S)`,
+    `E[g'] = lambda phi(h) / sqrt(1 + lambda^2 S)`."""
+    lam2_s = PROBIT_SLOPE ** 2 * ops.maximum(variance, 0.0)
+    root = ops.sqrt(1.0 + lam2_s)
+    h = PROBIT_SLOPE * mean / root
+    rho = clip_correlation(lam2_s / (1.0 + lam2_s))
+    return (normal_cdf(h), ops.maximum(bivariate_normal_cdf_excess(h, h, rho), 0.0),
+            PROBIT_SLOPE * normal_pdf(h) / root)
+
+
+def _smooth_moments(function, derivative, companion, mean, variance):
+    """`(E[f(a)], Var[f(a)], E[f'(a)])` of a smooth activation `f`, `a ~ N(m, S)`.
+
+    Below `SMOOTH_SWITCH`: `SMOOTH_NODES`-point Gauss-Hermite quadrature of `f` about `f(m)`
+    (`d_i = f(a_i) - f(m)`, `Var = sum w d^2 - (sum w d)^2`), exact at `S = 0`. From it on,
+    where `f` bends within the spread: `f = g + r` with `companion = (g, closed)` a function
+    whose moments have a closed form (a probit `Phi(lambda x)` or `x Phi(lambda x)`) and `r`
+    small and smooth, so `E[f] = E[g] + E[r]`, `Var[f] = Var[g] + Var[r] + 2 Cov(g, r)`,
+    `E[f'] = E[g'] + E[(a - m) r(a)] / S` (Stein's lemma: `r` is smoother than `r'`), the terms
+    in `r` by the same quadrature (a control variate). The
+    error against the exact integrals is tested in `tests/test_moments.py`."""
+    g, closed = companion
+    dtype = mean.dtype
+    nodes = ops.convert_to_tensor(_GH_NODES, dtype=dtype)
+    weights = ops.convert_to_tensor(_GH_WEIGHTS, dtype=dtype)
+    variance = ops.maximum(variance, 0.0)
+    std = _safe_std(variance)
+    points = mean[..., None] + std[..., None] * nodes
+
+    def expect(values):
+        return ops.sum(values * weights, axis=-1)
+
+    at_mean = function(mean)
+    values = function(points)
+    slopes = derivative(points)
+    shifts = values - at_mean[..., None]
+    shift = expect(shifts)
+    near = (at_mean + shift, ops.maximum(expect(ops.square(shifts)) - ops.square(shift), 0.0), expect(slopes))
+    companion_values = g(points)
+    residual = values - companion_values
+    residual_mean = expect(residual)
+    residual_dev = residual - residual_mean[..., None]
+    companion_dev = companion_values - expect(companion_values)[..., None]
+    mean_g, var_g, slope_g = closed(mean, variance)
+    wide = (mean_g + residual_mean,
+            ops.maximum(var_g + expect(residual_dev * (residual_dev + 2.0 * companion_dev)), 0.0),
+            slope_g + expect(residual * nodes) / std)
+    switch = variance >= SMOOTH_SWITCH
+    return tuple(ops.where(switch, w, n) for w, n in zip(wide, near))
+
+
+def _silu_derivative_at(x):
+    s = ops.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+_SILU_COMPANION = (lambda x: x * normal_cdf(PROBIT_SLOPE * x), _scaled_gelu_closed)
+_SIGMOID_COMPANION = (lambda x: normal_cdf(PROBIT_SLOPE * x), _probit_closed)
+
+
+def _silu_moments_and_slope(mean, variance):
+    """SiLU / swish `x sigmoid(x)` (EfficientNet): `_smooth_moments` with companion
+    `x Phi(lambda x)`, `lambda = sqrt(pi / 8)`."""
+    return _smooth_moments(lambda x: x * ops.sigmoid(x), _silu_derivative_at, _SILU_COMPANION, mean, variance)
+
+
+def _sigmoid_moments_and_slope(mean, variance):
+    """The logistic sigmoid (squeeze-and-excitation gates): `_smooth_moments` with companion
+    `Phi(lambda x)`, `lambda = sqrt(pi / 8)`."""
+    return _smooth_moments(ops.sigmoid, lambda x: ops.sigmoid(x) * (1.0 - ops.sigmoid(x)), _SIGMOID_COMPANION,
+                           mean, variance)
+
+
+def _gelu_moments_and_slope(mean, variance):
+    """Exact GELU `x Phi(x)` (`keras.activations.gelu(approximate=False)`): the closed form
+    (`_gelu_closed`) from `SMOOTH_SWITCH` on, quadrature about `f(m)` below it (where the
+    closed form's `E[f^2] - E[f]^2` would cancel); the companion is GELU itself, so the
+    residual is zero."""
+    gelu = lambda x: x * normal_cdf(x)  # noqa: E731
+    return _smooth_moments(gelu, lambda x: normal_cdf(x) + x * normal_pdf(x), (gelu, _gelu_closed), mean, variance)
+
+
+def _first_two(function):
+    def moments_only(mean, variance):
+        mean_h, var_h, _ = function(mean, variance)
+        return mean_h, var_h
+
+    return moments_only
+
+
+def _third(function):
+    return lambda mean, variance: function(mean, variance)[2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -683,11 +840,20 @@ _ACTIVATIONS = {
                    lambda m, v: LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * _relu_derivative(m, v),
                    _leaky_relu_covariance),
         Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, None),
+        Activation("silu", ops.silu, _first_two(_silu_moments_and_slope), _third(_silu_moments_and_slope), None),
+        Activation("gelu", lambda x: ops.gelu(x, approximate=False), _first_two(_gelu_moments_and_slope),
+                   _third(_gelu_moments_and_slope), None),
+        Activation("sigmoid", ops.sigmoid, _first_two(_sigmoid_moments_and_slope),
+                   _third(_sigmoid_moments_and_slope), None),
     )
 }
+#: The smooth activations' `(E[f], Var[f], E[f'])` in one pass (their quadrature is shared).
+_SMOOTH = {"silu": _silu_moments_and_slope, "gelu": _gelu_moments_and_slope, "sigmoid": _sigmoid_moments_and_slope}
 #: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
 COVARIANCE_ACTIVATIONS = tuple(name for name, a in _ACTIVATIONS.items() if a.covariance is not None)
-#: Activations with closed-form moments. `None` and `"linear"` mean the identity.
+#: Other names of the activations (Keras' `"swish"` is SiLU).
+_ALIASES = {"swish": "silu"}
+#: Activations with Gaussian moment rules. `None` and `"linear"` mean the identity.
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
