@@ -1,6 +1,8 @@
 """`convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
 means ("train plain, convert, fine-tune")."""
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -536,6 +538,15 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             return layer(*args, **kwargs)
 
         converted = keras.models.clone_model(model, clone_function=clone, call_function=call)
+    gates = [layer.name for layer in converted.layers if isinstance(layer, dvi.MultiplyDVI)]
+    if gates:
+        warnings.warn(
+            f"keras_dvi.convert: {len(gates)} squeeze-and-excitation product(s) (first {gates[0]!r}) became "
+            "MultiplyDVI, which takes the gate as independent of the map it scales; the gate is computed from "
+            "that map, and on a converted EfficientNetB0 at the default variances the output variances were "
+            "0.19-0.48 of Monte Carlo's over the weights (the class probabilities at tiny variances are exact). "
+            "Check the predictive spread with keras_dvi.predict_samples before relying on it.",
+            stacklevel=2)
     for layer, copy in kept:
         if layer.weights:
             copy.set_weights(layer.get_weights())

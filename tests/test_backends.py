@@ -48,7 +48,8 @@ JAX_SUITE = [
     "tests/test_moments.py::test_cross_covariance_finite_values_and_gradients_at_edges",
     "tests/test_moments.py::test_moments_and_slope_gradients_match_finite_differences[relu]",
     "tests/test_moments.py::test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails",
-    # global inducing: maths, Bayesian linear regression, training
+    "tests/test_moments.py::test_smooth_activations_are_finite_at_the_edges_and_deterministic_in_the_limit",
+    # global inducing: maths, Bayesian linear regression, training (dense; the conv layer's draws and KL)
     "tests/test_global_inducing.py::test_posterior_moments_match_dense_inverse",
     "tests/test_global_inducing.py::test_float32_round_off_of_the_gram_matrix_does_not_break_the_factor",
     "tests/test_global_inducing.py::test_monte_carlo_kl_averages_to_closed_form",
@@ -56,36 +57,32 @@ JAX_SUITE = [
     "tests/test_global_inducing.py::test_scale_prior_trains_saves_and_loads",
     "tests/test_global_inducing.py::test_top_layer_is_bayesian_linear_regression_on_propagated_features",
     "tests/test_global_inducing_conv.py::test_draws_and_kl_match_the_posterior_by_monte_carlo",
-    "tests/test_global_inducing_conv.py::test_network_trains_saves_loads_and_predicts_samples[scale-False]",
     "tests/test_global_inducing_conv.py::test_spatial_iw_density_and_log_ratio_match_scipy",
-    "tests/test_factorised_to_global.py::test_both_networks_train_initialise_save_and_load",
     "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
-    # the objective: KL schedule and weight, logs, every kind of model, misuse, the collapse check
+    # the objective: KL schedule and weight, logs, every kind of model, misuse
     "tests/test_training.py::test_kl_warmup_ramps_by_training_step_and_evaluation_uses_the_full_weight",
     "tests/test_training.py::test_every_kind_of_model_logs_the_whole_objective_once",
     "tests/test_training.py::test_every_way_of_writing_a_model_trains_the_same",
     "tests/test_training.py::test_an_explicit_training_false_is_respected",
-    "tests/test_training.py::test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for",
+    "tests/test_training.py::test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for[10-6]",
     "tests/test_training.py::test_the_schedule_resumes_after_saving",
     "tests/test_training.py::test_a_custom_loss_that_scores_no_keras_dvi_loss_warns_once[False]",
     "tests/test_training.py::test_plain_layers_between_keras_dvi_layers_of_a_subclassed_model_warn",
     "tests/test_training.py::test_no_keras_dvi_module_holds_state",
-    "tests/test_training.py::test_a_classifier_collapsed_to_its_prior_is_named",
-    # conv layers: first layer exact against Monte Carlo, the MCVI kernels, gradients, fit / logs /
-    # warm-up / safe-mode round trip, a CNN end to end
+    # conv layers: first layer exact against Monte Carlo, the MCVI kernels, the max pooling's
+    # custom gradient, fit / logs / warm-up / safe-mode round trip
     "tests/test_conv.py::test_first_conv_layer_moments_are_exact[relu-2-kwargs1]",
     "tests/test_conv.py::test_mcvi_conv_samples_match_the_closed_form",
-    "tests/test_conv.py::test_max_pool_gradient_matches_finite_differences",
+    "tests/test_conv.py::test_max_pool_gradient_matches_finite_differences[overlapping]",
     "tests/test_conv.py::test_max_pair_is_finite_at_the_edges[float64]",
     "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
-    "tests/test_conv.py::test_small_cnn_end_to_end_matches_monte_carlo[0.3-28-pre]",
-    # padding, cropping, concatenation, batch normalisation: both data formats, save / load
-    "tests/test_map_layers.py::test_channels_first_computes_the_same_and_the_layers_save",
+    # a converted squeeze-and-excitation block (folded batch normalisation, SiLU / sigmoid / GELU,
+    # MultiplyDVI): the plain network at tiny variances, save / load
+    "tests/test_map_layers.py::test_squeeze_and_excitation_converts_computes_the_plain_network_and_saves[channels_last]",
     # TAGI: exactness, the paper's equations, fit / save / load (stateless steps)
     "tests/test_tagi.py::test_linear_layer_update_is_the_exact_posterior",
     "tests/test_tagi.py::test_update_matches_the_papers_equations",
     "tests/test_tagi.py::test_fit_evaluate_predict_save_and_load",
-    "tests/test_tagi.py::test_conv_network_trains_on_digits_and_round_trips",
     "tests/test_tagi.py::test_variances_stay_positive_with_large_batches",
     # the TAGI MNIST harness's compiled engine (JAX only): fit's weights, early stopping read off the curves
     "tests/test_tagi_mnist_harness.py::test_compiled_epoch_gives_fits_weights",

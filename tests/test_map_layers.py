@@ -258,12 +258,14 @@ def test_squeeze_and_excitation_converts_computes_the_plain_network_and_saves(tm
     x = _images(rows=4, size=8, channels=3)
     if data_format == "channels_first":
         x = np.transpose(x, (0, 3, 1, 2))
-    tiny = kd.convert(plain, kernel_variance=1e-12, bias_variance=1e-12)
+    with pytest.warns(UserWarning, match="independent of the map it scales.*predict_samples"):  # the stated limit
+        tiny = kd.convert(plain, kernel_variance=1e-12, bias_variance=1e-12)
     kinds = [type(layer).__name__ for layer in tiny.layers]
     assert "MultiplyDVI" in kinds and kinds.count("DenseDiagDVI") == 2, kinds
     assert {getattr(layer, "activation", None) for layer in tiny.layers} >= {"silu", "sigmoid", "gelu"}
     np.testing.assert_allclose(to_numpy(kd.unpack(tiny(x))[0]), to_numpy(plain(x)), rtol=1e-4, atol=1e-5)
-    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=4))
+    with pytest.warns(UserWarning, match="MultiplyDVI"):
+        converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=4))
     mean, variance = (to_numpy(t) for t in kd.unpack(converted(x), covariance="diagonal"))
     assert np.isfinite(mean).all() and (variance > 0).all()
     path = str(tmp_path / "se.keras")
