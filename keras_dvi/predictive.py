@@ -324,7 +324,9 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     Returns:
         NumPy array of shape `(batch, num_samples, units)` (a feature map's:
         `(batch, num_samples, *spatial, channels)`): the output pre-activations or
-        activations of the last layer, as the deterministic layers describe them.
+        activations of the last layer, as the deterministic layers describe them. A model with
+        several outputs gives them in the same structure (list, tuple or dict), every output
+        under the same weight draws.
 
     Examples:
         >>> samples = keras_dvi.predict_samples(model, x, num_samples=20000, seed=0)
@@ -356,15 +358,18 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     remaining = int(num_samples)
     while remaining > 0:
         size = min(int(chunk_size), remaining)
-        out = ops.convert_to_numpy(_sampled_call(model, x, sampling.SamplingContext(size, generator)))
-        if out.ndim < 3 or out.shape[0] != size:
-            raise ValueError(
-                "Monte Carlo over the weights needs a model built from keras-dvi layers: its output had "
-                f"shape {out.shape}, expected (samples, batch, units)."
-            )
-        chunks.append(out)
+        structure = _sampled_call(model, x, sampling.SamplingContext(size, generator))
+        outputs = [ops.convert_to_numpy(out) for out in keras.tree.flatten(structure)]
+        for out in outputs:
+            if out.ndim < 3 or out.shape[0] != size:
+                raise ValueError(
+                    "Monte Carlo over the weights needs a model built from keras-dvi layers: its output had "
+                    f"shape {out.shape}, expected (samples, batch, units)."
+                )
+        chunks.append(outputs)
         remaining -= size
-    return np.swapaxes(np.concatenate(chunks, axis=0), 0, 1)
+    samples = [np.swapaxes(np.concatenate(parts, axis=0), 0, 1) for parts in zip(*chunks)]
+    return keras.tree.pack_sequence_as(structure, samples)
 
 
 def sampling_layer(model):
@@ -430,7 +435,8 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
 
     Returns:
         A NumPy array `(n, num_samples, units)` (a feature map's: `(n, num_samples, *spatial,
-        channels)`).
+        channels)`); for a moment-propagating model with several outputs, one such array per
+        output in the model's output structure, all under the same weight draws.
 
     Examples:
         >>> samples = keras_dvi.predict_samples(model, x_test, num_samples=1000, seed=0)
@@ -445,8 +451,9 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         if seed is None:  # one seed for every batch: each sample is one function on all rows
             seed = int(np.random.default_rng().integers(2**31 - 1))
         x = np.asarray(x)
-        return np.concatenate([weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
-                               for i in range(0, len(x), batch_size)], axis=0)
+        batches = [weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
+                   for i in range(0, len(x), batch_size)]
+        return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *batches)
     if seed is not None:
         set_sampling_seed(model, seed)
     previous = first.num_samples

@@ -168,3 +168,24 @@ def test_predict_returns_numpy_summaries_for_both_tasks():
     np.testing.assert_allclose(out["entropy"], stats.entropy(out["probabilities"].T), rtol=1e-4)
     with pytest.raises(ValueError, match="task"):
         keras_dvi.predict(keras.Sequential([keras.Input((2,)), DenseDVI(2)]), x)
+
+
+def test_predict_samples_of_a_model_with_several_outputs_draws_the_same_weights_for_all():
+    """A moment model with several outputs gives one array per output, in the model's output
+    structure, every output under the same weight draws: the head's draws equal those of the
+    one-output model of the same layers and seed, batched or not."""
+    x = np.random.default_rng(3).normal(size=(7, 3)).astype("float32")
+    prior = keras_dvi.EmpiricalBayesRegularizer(64)
+    inputs = keras.Input((3,))
+    hidden = keras_dvi.DenseDiagDVI(6, "relu", regularizer=prior)(inputs)
+    head = keras_dvi.DenseDVI(2, regularizer=prior)(hidden)
+    alone = keras_dvi.predict_samples(keras.Model(inputs, head), x, 40, seed=5)
+    both = keras_dvi.predict_samples(keras.Model(inputs, [hidden, head]), x, 40, seed=5)
+    assert isinstance(both, list) and both[0].shape == (7, 40, 6) and both[1].shape == (7, 40, 2)
+    np.testing.assert_array_equal(both[1], alone)
+    assert np.all(both[0] >= 0) and both[0].std(axis=1).max() > 0.05  # ReLU units, drawn per sample
+    named = keras_dvi.predict_samples(keras.Model(inputs, {"hidden": hidden, "head": head}), x, 40, seed=5,
+                                      batch_size=3)
+    assert set(named) == {"hidden", "head"}
+    np.testing.assert_allclose(named["head"], alone, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(named["hidden"], both[0], rtol=1e-6, atol=1e-6)
