@@ -35,8 +35,8 @@ _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, kera
                        keras.layers.ActivityRegularization, keras.layers.Identity)
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
 #: The activations `convert` carries, for messages.
-_SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'silu' / 'swish', 'gelu' (exact), 'sigmoid' or "
-              "'linear'")
+_SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'hard_silu' / 'hard_swish', 'silu' / 'swish', "
+              "'gelu' (exact), 'sigmoid' or 'linear'")
 
 
 def _activation_of(layer):
@@ -252,7 +252,7 @@ def _plan(graph):
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}"
                     f"{'' if name else ' ' + repr(_function_name(layer))}) can be folded only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
                     f"alone, or stand on a feature map, with activation {_SUPPORTED} (a softmax only at the "
-                    "output); other functions (hard SiLU, ReLU with other bounds or thresholds, ...) have no "
+                    "output); other functions (tanh, softplus, ReLU with other bounds or thresholds, ...) have no "
                     "Gaussian moment rule in keras-dvi. To keep the layers up to it plain, convert only the "
                     "layers after it (`last_layers=k`).")
             if batch_norm:
@@ -491,8 +491,11 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
         else:
+            what = (f"layer {layer.name!r} ({type(layer).__name__})" if isinstance(layer, keras.layers.Layer) else
+                    f"operation {layer.name!r} (keras.ops {type(layer).__name__}: an operator or keras.ops call on a "
+                    "tensor, such as `x + 3.0`, not a layer)")
             raise ValueError(
-                f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
+                f"keras_dvi.convert: {what} has no keras-dvi counterpart. "
                 "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Multiply "
                 "(squeeze-and-excitation), Concatenate "
                 "(channels), ZeroPadding, Cropping, batch normalisation (folded or on feature maps), folded "

@@ -49,6 +49,7 @@ JAX_SUITE = [
     "tests/test_moments.py::test_moments_and_slope_gradients_match_finite_differences[relu]",
     "tests/test_moments.py::test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails",
     "tests/test_moments.py::test_smooth_activations_are_finite_at_the_edges_and_deterministic_in_the_limit",
+    "tests/test_moments.py::test_hard_silu_moments_match_quadrature_across_both_kinks_and_in_the_tails",
     # global inducing: maths, Bayesian linear regression, training (dense; the conv layer's draws and KL)
     "tests/test_global_inducing.py::test_posterior_moments_match_dense_inverse",
     "tests/test_global_inducing.py::test_float32_round_off_of_the_gram_matrix_does_not_break_the_factor",

@@ -364,8 +364,14 @@ def test_what_cannot_be_converted_is_refused_by_name():
     # on a feature map that another layer also reads: an ActivationDVI, if keras-dvi has the function's rule
     inputs = keras.Input((6, 6, 2))
     h = keras.layers.Conv2D(3, 3)(inputs)
-    h = keras.layers.Add()([h, keras.layers.Conv2D(3, 1)(keras.layers.Activation("hard_silu", name="hard")(h))])
-    with pytest.raises(ValueError, match="activation layer 'hard' \\(Activation 'hard_silu'\\).*hard SiLU"):
+    h = keras.layers.Add()([h, keras.layers.Conv2D(3, 1)(keras.layers.Activation("softplus", name="soft")(h))])
+    with pytest.raises(ValueError, match="activation layer 'soft' \\(Activation 'softplus'\\).*tanh, softplus"):
+        kd.convert(keras.Model(inputs, keras.layers.Flatten()(h)))
+    # an operation on a tensor (MobileNetV3's hard sigmoid is `relu6(x + 3.0) * (1 / 6)`), named as one
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(3, 3)(inputs)
+    h = keras.layers.Conv2D(3, 1)(h + 3.0)
+    with pytest.raises(ValueError, match="operation 'add[_0-9]*' \\(keras.ops Add: an operator or keras.ops call"):
         kd.convert(keras.Model(inputs, keras.layers.Flatten()(h)))
     # a global pooling keeping its dimensions for anything but a channel-vector head
     inputs = keras.Input((6, 6, 2))

@@ -160,6 +160,55 @@ def test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails(float
                                atol=1e-12 if floatx == "float64" else 1e-6)
 
 
+def _hard_silu(a):
+    return a * min(max(a + 3.0, 0.0), 6.0) / 6.0
+
+
+def test_hard_silu_moments_match_quadrature_across_both_kinks_and_in_the_tails(floatx):
+    """Hard SiLU (`a relu6(a + 3) / 6`, MobileNetV3) in closed form against adaptive quadrature:
+    means across both kinks (-3, 3) and far beyond, variances from 1e-8 (no cancellation in the
+    variance) to 400; the slope against the quadrature of `f'`. Values and gradients stay finite
+    for means up to +-1e4 and variances from 0 to 1e6."""
+    means, variances = (np.array(c, "float64") for c in zip(*itertools.product(
+        [-40.0, -6.0, -3.2, -3.0, -1.0, 0.0, 0.4, 2.9, 3.0, 3.5, 8.0, 46.0], [1e-8, 0.01, 1.0, 25.0, 400.0])))
+
+    def oracle(m, v):
+        s = math.sqrt(v)
+        lo, hi = m - 14 * s, m + 14 * s
+        quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
+                                        points=[p for p in (-3.0, 3.0) if lo < p < hi] or None,
+                                        epsabs=1e-16, epsrel=1e-12, limit=400)[0]
+        first = quad(_hard_silu)
+        slope = quad(lambda a: 0.0 if a < -3.0 else ((2.0 * a + 3.0) / 6.0 if a < 3.0 else 1.0))
+        return first, quad(lambda a: (_hard_silu(a) - first) ** 2), slope
+
+    want = np.array([oracle(m, v) for m, v in zip(means, variances)])
+    got = np.stack([to_numpy(t).astype("float64") for t in moments.activation_moments_and_slope(
+        keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(variances, floatx), "hard_silu")], 1)
+    scale, sd = np.maximum(np.abs(means), 1.0), np.sqrt(variances)
+    if floatx == "float64":  # (measured: variances within 5e-11, means within 3e-12 of the scale)
+        np.testing.assert_array_less(np.abs(got[:, 1] - want[:, 1]), 1e-9 * want[:, 1] + 1e-13 * scale * sd)
+        np.testing.assert_array_less(np.abs(got[:, 0] - want[:, 0]), 1e-10 * scale)
+        np.testing.assert_allclose(got[:, 2], want[:, 2], atol=1e-10)
+    else:  # (measured: variances within 3.3e-4, means within 1.8e-6 of the scale)
+        np.testing.assert_array_less(np.abs(got[:, 1] - want[:, 1]), 1e-3 * want[:, 1] + 1e-6 * scale * sd + 1e-12)
+        np.testing.assert_array_less(np.abs(got[:, 0] - want[:, 0]), 4e-6 * scale + 1e-6 * sd)
+        np.testing.assert_allclose(got[:, 2], want[:, 2], atol=1e-6)
+    edges_m, edges_v = (np.array(c, floatx) for c in zip(*itertools.product(
+        [-1e4, -60.0, -3.0, 0.0, 3.0, 60.0, 1e4], [0.0, 1e-30, 1e-12, 0.25, 3.0, 1e6])))
+
+    def total(m, v):
+        return sum(keras.ops.sum(o) for o in moments.activation_moments_and_slope(m, v, "hard_silu"))
+
+    value, grads = gradients(total, [edges_m, edges_v])
+    assert np.isfinite(value) and all(np.isfinite(g).all() for g in grads)
+    mean_h, var_h, _ = (to_numpy(t) for t in moments.activation_moments_and_slope(
+        keras.ops.convert_to_tensor(edges_m[edges_v <= 1e-12]), keras.ops.convert_to_tensor(edges_v[edges_v <= 1e-12]),
+        "hard_silu"))
+    np.testing.assert_allclose(mean_h, [_hard_silu(float(a)) for a in edges_m[edges_v <= 1e-12]], rtol=1e-6, atol=1e-6)
+    assert (var_h >= 0).all() and (var_h <= 1e-10 * np.maximum(np.abs(edges_m[edges_v <= 1e-12]), 1) ** 2).all()
+
+
 #: The smooth activations and their derivatives, in plain floats (the oracle's integrands).
 SMOOTH_FNS = {
     "silu": (lambda a: a / (1.0 + math.exp(-a)) if a > -700 else 0.0,
@@ -254,7 +303,7 @@ def test_expected_derivative_matches_closed_form(activation):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6", "silu", "gelu", "sigmoid"])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6", "hard_silu", "silu", "gelu", "sigmoid"])
 def test_moments_and_slope_gradients_match_finite_differences(activation):
     """`activation_moments_and_slope` (ReLU's with its hand-written gradient): ReLU's values are
     the closed forms, and every activation's gradient matches central finite differences in

@@ -140,8 +140,8 @@ _AVERAGE_HOW = """The window average of Gaussian units: exact within keras-dvi's
 
 
 _MAX_ARGS = """
-        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`, `"silu"`,
-            `"gelu"` or `"sigmoid"`, applied to the max (see above)."""
+        activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`, `"hard_silu"`,
+            `"silu"`, `"gelu"` or `"sigmoid"`, applied to the max (see above)."""
 
 
 def _doc(kind, rank, how):

@@ -67,7 +67,8 @@ def canonical_activation(activation):
 
     Args:
         activation: `None`, `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
-            slope `LEAKY_SLOPE` = 0.2), `"relu6"` (`min(max(x, 0), 6)`), or the smooth
+            slope `LEAKY_SLOPE` = 0.2), `"relu6"` (`min(max(x, 0), 6)`), `"hard_silu"` (alias
+            `"hard_swish"`, `x relu6(x + 3) / 6`), or the smooth
             `"silu"` (alias `"swish"`), `"gelu"` (exact, `x Phi(x)`) and `"sigmoid"`
             (case-insensitive). Keras' activation functions of these names are accepted too.
 
@@ -266,6 +267,8 @@ def activation_moments_and_slope(mean, variance, activation):
         return _relu_moments_and_slope(mean, variance)
     if name == "relu6":
         return _relu6_moments_and_slope(mean, variance)
+    if name == "hard_silu":
+        return _hard_silu_moments_and_slope(mean, variance)
     if name in _SMOOTH:
         return _SMOOTH[name](mean, variance)
     mean_h, var_h = activation_moments(mean, variance, activation)
@@ -335,6 +338,43 @@ def _relu6_moments(mean, variance):
 def _relu6_derivative(mean, variance):
     std = _safe_std(variance)  # P(0 < a < 6), without the moments
     return _cdf_difference(_standardise(RELU6_BOUND - mean, std), _standardise(-mean, std))
+
+
+#: Where hard SiLU `x relu6(x + 3) / 6` changes piece (`keras.activations.hard_silu`,
+#: MobileNetV3): 0 below `-HARD_SILU_KNOT`, `x (x + 3) / 6` between, `x` above.
+HARD_SILU_KNOT = 3.0
+
+
+def _hard_silu_moments_and_slope(mean, variance):
+    """`(E[h], Var[h], E[f'(a)])` of hard SiLU `h = a relu6(a + 3) / 6`, `a ~ N(m, S)`, in closed
+    form: with `a = m + s z`, each piece is a polynomial in `z` (the middle one
+    `f(m) + d + f'(m) s z + s^2 z^2 / 6`, `d` its value at `m` less `f(m)`), so the moments are
+    the truncated standard-normal moments `M_k = int z^k phi` over `(alpha, beta)`,
+    `alpha = (-3 - m) / s`, `beta = (3 - m) / s` (`M_k = (k - 1) M_{k-2} + alpha^{k-1} phi(alpha)
+    - beta^{k-1} phi(beta)`) and over the tails. Taken about `f(m)`, so that the variance has
+    no cancellation as `S -> 0`. `E[f'] = ((2m + 3) / 6) M_0 + (s / 3) M_1 + Phi(-beta)`."""
+    std = _safe_std(variance)
+    knot = HARD_SILU_KNOT
+    alpha, beta = _standardise(-knot - mean, std), _standardise(knot - mean, std)
+    pdf_a, pdf_b = normal_pdf(alpha), normal_pdf(beta)
+    below, above = normal_cdf(alpha), normal_cdf(-beta)
+    m0 = _cdf_difference(beta, alpha)
+    m1 = pdf_a - pdf_b
+    m2 = m0 + alpha * pdf_a - beta * pdf_b
+    m3 = 2.0 * m1 + ops.square(alpha) * pdf_a - ops.square(beta) * pdf_b
+    m4 = 3.0 * m2 + alpha * ops.square(alpha) * pdf_a - beta * ops.square(beta) * pdf_b
+    at_mean = ops.hard_silu(mean)
+    d_low, d_mid, d_high = -at_mean, mean * (mean + knot) / 6.0 - at_mean, mean - at_mean
+    b1, q = (2.0 * mean + knot) / 6.0 * std, ops.square(std) / 6.0  # the middle piece: d + b1 z + q z^2
+    tail1 = pdf_b  # int_beta^inf z phi
+    first = d_low * below + d_mid * m0 + b1 * m1 + q * m2 + d_high * above + std * tail1
+    second = (ops.square(d_low) * below
+              + ops.square(d_mid) * m0 + 2.0 * d_mid * b1 * m1 + (ops.square(b1) + 2.0 * d_mid * q) * m2
+              + 2.0 * b1 * q * m3 + ops.square(q) * m4
+              + ops.square(d_high) * above + 2.0 * d_high * std * tail1
+              + ops.square(std) * (above + beta * pdf_b))
+    slope = (2.0 * mean + knot) / 6.0 * m0 + std / 3.0 * m1 + above
+    return at_mean + first, ops.maximum(second - ops.square(first), 0.0), slope
 
 
 # --------------------------------------------------------------------------------------------
@@ -840,6 +880,8 @@ _ACTIVATIONS = {
                    lambda m, v: LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * _relu_derivative(m, v),
                    _leaky_relu_covariance),
         Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, None),
+        Activation("hard_silu", ops.hard_silu, _first_two(_hard_silu_moments_and_slope),
+                   _third(_hard_silu_moments_and_slope), None),
         Activation("silu", ops.silu, _first_two(_silu_moments_and_slope), _third(_silu_moments_and_slope), None),
         Activation("gelu", lambda x: ops.gelu(x, approximate=False), _first_two(_gelu_moments_and_slope),
                    _third(_gelu_moments_and_slope), None),
@@ -851,8 +893,8 @@ _ACTIVATIONS = {
 _SMOOTH = {"silu": _silu_moments_and_slope, "gelu": _gelu_moments_and_slope, "sigmoid": _sigmoid_moments_and_slope}
 #: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
 COVARIANCE_ACTIVATIONS = tuple(name for name, a in _ACTIVATIONS.items() if a.covariance is not None)
-#: Other names of the activations (Keras' `"swish"` is SiLU).
-_ALIASES = {"swish": "silu"}
+#: Other names of the activations (Keras' `"swish"` is SiLU, `"hard_swish"` hard SiLU).
+_ALIASES = {"swish": "silu", "hard_swish": "hard_silu"}
 #: Activations with Gaussian moment rules. `None` and `"linear"` mean the identity.
 ACTIVATIONS = tuple(_ACTIVATIONS)
 
