@@ -35,8 +35,8 @@ _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, kera
                        keras.layers.ActivityRegularization, keras.layers.Identity)
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
 #: The activations `convert` carries, for messages.
-_SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'hard_silu' / 'hard_swish', 'silu' / 'swish', "
-              "'gelu' (exact), 'sigmoid' or 'linear'")
+_SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'hard_silu' / 'hard_swish', 'hard_sigmoid', "
+              "'silu' / 'swish', 'gelu' (exact), 'sigmoid' or 'linear'")
 
 
 def _activation_of(layer):

@@ -174,6 +174,7 @@ def test_channels_first_computes_the_same_and_the_layers_save(tmp_path):
     ("relu", keras.layers.ReLU(), 1.0),
     ("relu6", keras.layers.ReLU(6.0), 4.0),  # means and spreads reaching both kinks
     ("hard_silu", keras.layers.Activation("hard_swish"), 3.0),  # (MobileNetV3's name): both kinks
+    ("hard_sigmoid", keras.layers.Activation("hard_sigmoid"), 3.0),  # MobileNetV3's gates: both kinks
     ("leaky_relu", keras.layers.LeakyReLU(0.2), 1.0),
     # the smooth activations, variances on both sides of SMOOTH_SWITCH (up to 18 with the stretch)
     ("silu", keras.layers.Activation("swish"), 1.0),

@@ -209,6 +209,33 @@ def test_hard_silu_moments_match_quadrature_across_both_kinks_and_in_the_tails(f
     assert (var_h >= 0).all() and (var_h <= 1e-10 * np.maximum(np.abs(edges_m[edges_v <= 1e-12]), 1) ** 2).all()
 
 
+def test_hard_sigmoid_moments_match_quadrature_across_both_kinks(floatx):
+    """The hard sigmoid `relu6(a + 3) / 6` (`keras.activations.hard_sigmoid`) against adaptive
+    quadrature: means across both kinks and beyond, variances from 1e-8 to 100, and the slope
+    `P(-3 < a < 3) / 6`."""
+    f = lambda a: min(max(a + 3.0, 0.0), 6.0) / 6.0  # noqa: E731
+    means, variances = (np.array(c, "float64") for c in zip(*itertools.product(
+        [-30.0, -3.5, -3.0, -1.0, 0.0, 2.5, 3.0, 9.0], [1e-8, 0.3, 4.0, 100.0])))
+
+    def oracle(m, v):
+        s = math.sqrt(v)
+        lo, hi = m - 14 * s, m + 14 * s
+        quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
+                                        points=[p for p in (-3.0, 3.0) if lo < p < hi] or None,
+                                        epsabs=1e-16, epsrel=1e-12, limit=400)[0]
+        first = quad(f)
+        return first, quad(lambda a: (f(a) - first) ** 2), quad(lambda a: 1.0 / 6.0 if -3.0 < a < 3.0 else 0.0)
+
+    want = np.array([oracle(m, v) for m, v in zip(means, variances)])
+    got = np.stack([to_numpy(t).astype("float64") for t in moments.activation_moments_and_slope(
+        keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(variances, floatx), "hard_sigmoid")], 1)
+    tol = 1e-10 if floatx == "float64" else 2e-6
+    np.testing.assert_array_less(np.abs(got[:, 1] - want[:, 1]), (1e-7 if floatx == "float64" else 1e-3) * want[:, 1]
+                                 + tol * np.sqrt(variances) + 1e-14)
+    np.testing.assert_allclose(got[:, 0], want[:, 0], atol=tol)
+    np.testing.assert_allclose(got[:, 2], want[:, 2], atol=tol)
+
+
 #: The smooth activations and their derivatives, in plain floats (the oracle's integrands).
 SMOOTH_FNS = {
     "silu": (lambda a: a / (1.0 + math.exp(-a)) if a > -700 else 0.0,
@@ -303,7 +330,8 @@ def test_expected_derivative_matches_closed_form(activation):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6", "hard_silu", "silu", "gelu", "sigmoid"])
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6", "hard_silu", "hard_sigmoid", "silu", "gelu",
+                                        "sigmoid"])
 def test_moments_and_slope_gradients_match_finite_differences(activation):
     """`activation_moments_and_slope` (ReLU's with its hand-written gradient): ReLU's values are
     the closed forms, and every activation's gradient matches central finite differences in

@@ -21,7 +21,7 @@ class ActivationDVI(MapLayer):
     them through the activation, as after the residual additions of Xception.
 
     Args:
-        activation: `"relu"`, `"relu6"`, `"hard_silu"`, `"leaky_relu"`, `"heaviside"`, `"silu"` (`"swish"`),
+        activation: `"relu"`, `"relu6"`, `"hard_silu"`, `"hard_sigmoid"`, `"leaky_relu"`, `"heaviside"`, `"silu"` (`"swish"`),
             `"gelu"`, `"sigmoid"` or `None` (linear).
         data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
             `keras.config.image_data_format()`.

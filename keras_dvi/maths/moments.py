@@ -68,7 +68,7 @@ def canonical_activation(activation):
     Args:
         activation: `None`, `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
             slope `LEAKY_SLOPE` = 0.2), `"relu6"` (`min(max(x, 0), 6)`), `"hard_silu"` (alias
-            `"hard_swish"`, `x relu6(x + 3) / 6`), or the smooth
+            `"hard_swish"`, `x relu6(x + 3) / 6`), `"hard_sigmoid"` (`relu6(x + 3) / 6`), or the smooth
             `"silu"` (alias `"swish"`), `"gelu"` (exact, `x Phi(x)`) and `"sigmoid"`
             (case-insensitive). Keras' activation functions of these names are accepted too.
 
@@ -269,6 +269,8 @@ def activation_moments_and_slope(mean, variance, activation):
         return _relu6_moments_and_slope(mean, variance)
     if name == "hard_silu":
         return _hard_silu_moments_and_slope(mean, variance)
+    if name == "hard_sigmoid":
+        return _hard_sigmoid_moments_and_slope(mean, variance)
     if name in _SMOOTH:
         return _SMOOTH[name](mean, variance)
     mean_h, var_h = activation_moments(mean, variance, activation)
@@ -375,6 +377,14 @@ def _hard_silu_moments_and_slope(mean, variance):
               + ops.square(std) * (above + beta * pdf_b))
     slope = (2.0 * mean + knot) / 6.0 * m0 + std / 3.0 * m1 + above
     return at_mean + first, ops.maximum(second - ops.square(first), 0.0), slope
+
+
+def _hard_sigmoid_moments_and_slope(mean, variance):
+    """`(E[h], Var[h], E[f'(a)])` of the hard sigmoid `h = relu6(a + 3) / 6`
+    (`keras.activations.hard_sigmoid`, MobileNetV3's gates): ReLU6's closed form at mean
+    `m + 3`, scaled by 1/6 (the variance by 1/36)."""
+    mean_h, var_h, slope = _relu6_moments_and_slope(mean + HARD_SILU_KNOT, variance)
+    return mean_h / 6.0, var_h / 36.0, slope / 6.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -882,6 +892,8 @@ _ACTIVATIONS = {
         Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, None),
         Activation("hard_silu", ops.hard_silu, _first_two(_hard_silu_moments_and_slope),
                    _third(_hard_silu_moments_and_slope), None),
+        Activation("hard_sigmoid", ops.hard_sigmoid, _first_two(_hard_sigmoid_moments_and_slope),
+                   _third(_hard_sigmoid_moments_and_slope), None),
         Activation("silu", ops.silu, _first_two(_silu_moments_and_slope), _third(_silu_moments_and_slope), None),
         Activation("gelu", lambda x: ops.gelu(x, approximate=False), _first_two(_gelu_moments_and_slope),
                    _third(_gelu_moments_and_slope), None),
