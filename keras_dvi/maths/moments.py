@@ -263,16 +263,8 @@ def activation_moments_and_slope(mean, variance, activation):
     """`(E[f(a)], Var[f(a)], E[f'(a)])` for independent Gaussian units: `activation_moments`
     and `expected_derivative` in one pass (ReLU's share its normal densities and gradient)."""
     name = canonical_activation(activation)
-    if name == "relu":
-        return _relu_moments_and_slope(mean, variance)
-    if name == "relu6":
-        return _relu6_moments_and_slope(mean, variance)
-    if name == "hard_silu":
-        return _hard_silu_moments_and_slope(mean, variance)
-    if name == "hard_sigmoid":
-        return _hard_sigmoid_moments_and_slope(mean, variance)
-    if name in _SMOOTH:
-        return _SMOOTH[name](mean, variance)
+    if name in _ONE_PASS:
+        return _ONE_PASS[name](mean, variance)
     mean_h, var_h = activation_moments(mean, variance, activation)
     return mean_h, var_h, expected_derivative(mean, variance, activation)
 
@@ -901,8 +893,11 @@ _ACTIVATIONS = {
                    _third(_sigmoid_moments_and_slope), None),
     )
 }
-#: The smooth activations' `(E[f], Var[f], E[f'])` in one pass (their quadrature is shared).
-_SMOOTH = {"silu": _silu_moments_and_slope, "gelu": _gelu_moments_and_slope, "sigmoid": _sigmoid_moments_and_slope}
+#: The activations whose `(E[f], Var[f], E[f'])` come from one pass (shared densities, pieces or
+#: quadrature); the others combine `moments` and `derivative`.
+_ONE_PASS = {"relu": _relu_moments_and_slope, "relu6": _relu6_moments_and_slope,
+             "hard_silu": _hard_silu_moments_and_slope, "hard_sigmoid": _hard_sigmoid_moments_and_slope,
+             "silu": _silu_moments_and_slope, "gelu": _gelu_moments_and_slope, "sigmoid": _sigmoid_moments_and_slope}
 #: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
 COVARIANCE_ACTIVATIONS = tuple(name for name, a in _ACTIVATIONS.items() if a.covariance is not None)
 #: Other names of the activations (Keras' `"swish"` is SiLU, `"hard_swish"` hard SiLU).
