@@ -68,18 +68,22 @@ def mnist_convnet():
     ])
 
 
-def resnet20():
+def resnet20(input_shape=(32, 32, 3), dropout=0.0, dropout_layer=None):
     """A CIFAR ResNet-20 (He et al. 2016, section 4.2): conv 16, three stages of three basic
     blocks (16, 32, 64 filters; the first block of stages 2 and 3 strides 2 with a 1x1
-    projection shortcut), global average pooling, dense 10."""
+    projection shortcut), global average pooling, dense 10. `dropout > 0` (MC dropout): a
+    dropout layer of that rate (`dropout_layer`, default `keras.layers.Dropout`) after every
+    block and before the dense layer."""
     import keras
+
+    dropout_layer = dropout_layer or keras.layers.Dropout
 
     def conv(h, filters, strides=1, relu=True, kernel=3):
         h = keras.layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)(h)
         h = keras.layers.BatchNormalization()(h)
         return keras.layers.ReLU()(h) if relu else h
 
-    inputs = keras.Input((32, 32, 3))
+    inputs = keras.Input(input_shape)
     x = conv(inputs, 16)
     for stage, filters in enumerate((16, 32, 64)):
         for block in range(3):
@@ -88,7 +92,11 @@ def resnet20():
             if strides != 1:
                 x = conv(x, filters, strides, relu=False, kernel=1)
             x = keras.layers.ReLU()(keras.layers.Add()([x, branch]))
+            if dropout:
+                x = dropout_layer(dropout)(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
+    if dropout:
+        x = dropout_layer(dropout)(x)
     return keras.Model(inputs, keras.layers.Dense(10)(x))
 
 
