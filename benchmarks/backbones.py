@@ -63,7 +63,7 @@ import numpy as np
 
 from benchmarks import cache
 from benchmarks.classification import auroc, scores
-from benchmarks.images import NOISE_SDS, ROTATIONS, add_noise, load_mnist, rotate
+from benchmarks.images import NOISE_SDS, ROTATIONS, VALIDATION_ROWS, add_noise, load_mnist, rotate
 
 NETWORKS = ("resnet20", "mobilenetv2")
 METHODS = ("plain", "ensemble", "dropout", "last_layer", "converted")
@@ -76,7 +76,6 @@ NUM_CLASSES = 10
 #: A keras-dvi network's probabilities: `keras_dvi.predict`'s default (`"mean"`, the softmax of
 #: the mean logits) and `"probit"` (the logit variances too; the docs' advice under shift).
 PROBABILITY_METHODS = ("mean", "probit")
-VALIDATION_ROWS = 10_000
 
 
 def pad(x):
@@ -139,12 +138,17 @@ def probabilities(model, x):
     return np.asarray(keras.ops.convert_to_numpy(keras.ops.softmax(out, axis=-1)), dtype="float64")
 
 
+def _member_stem(name, seed, member, args, dropout=0.0):
+    """The cache path of a plain network, less `.weights.h5` (weights) or `.json` (seconds)."""
+    kind = "dropout" if dropout else "plain"
+    return os.path.join(args.results, name, "models", f"{kind}_seed_{seed}_member_{member}")
+
+
 def plain_member(name, seed, member, x, y, args, dropout=0.0):
     """`(model, training seconds)` of a plain network, trained once and cached as weights."""
     import keras
 
-    folder = os.path.join(args.results, name, "models")
-    stem = os.path.join(folder, f"{'dropout' if dropout else 'plain'}_seed_{seed}_member_{member}")
+    stem = _member_stem(name, seed, member, args, dropout)
     keras.utils.set_random_seed(1000 * seed + 100 * member)
     model = network(name, dropout)
     if os.path.exists(stem + ".json"):
@@ -154,7 +158,7 @@ def plain_member(name, seed, member, x, y, args, dropout=0.0):
     start = time.time()
     model.fit(x, y, batch_size=BATCH, epochs=args.epochs, verbose=0)
     seconds = time.time() - start
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
     model.save_weights(stem + ".weights.h5")
     cache.write(stem + ".json", {"seconds": seconds, "epochs": args.epochs, "train_rows": len(x)})
     return model, seconds
@@ -165,6 +169,7 @@ def train(name, method, seed, x, y, args):
     import keras
 
     import keras_dvi as kd
+    from keras_dvi.predictive import class_probabilities
 
     if method in ("plain", "ensemble"):
         members = [plain_member(name, seed, m, x, y, args) for m in range(ENSEMBLE_SIZE if method == "ensemble" else 1)]
@@ -188,20 +193,19 @@ def train(name, method, seed, x, y, args):
         model = kd.convert(plain, regularizer=prior, last_layers=1)
     else:
         model = kd.convert(plain, regularizer=prior)
-    steps_per_epoch = math.ceil(len(x) / BATCH)
-    epochs = math.ceil(args.finetune_steps / steps_per_epoch)
-    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, steps_per_epoch=min(args.finetune_steps, steps_per_epoch),
-                        verbose=0)
+    rows = args.finetune_steps * BATCH  # exactly that many steps: shuffled passes over the data, cut
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(len(x)) for _ in range(math.ceil(rows / len(x)))])[:rows]
+    history = model.fit(x[order], y[order], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     seconds += time.time() - start
     details = {"finetune_steps": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
                "final_loss": float(history.history["loss"][-1]), "final_nll": float(history.history["nll"][-1]),
                "final_kl": float(history.history["kl"][-1])}
-    def predict(inputs):  # one pass; the library's default probabilities and the probit ones
-        from keras_dvi.predictive import class_probabilities
 
+    def predict(inputs):  # one pass; the library's default probabilities and the probit ones
         outputs = model.predict(inputs, batch_size=500, verbose=0)
-        return {method: np.asarray(class_probabilities(outputs, method=method), dtype="float64")
-                for method in PROBABILITY_METHODS}
+        return {kind: np.asarray(class_probabilities(outputs, method=kind), dtype="float64")
+                for kind in PROBABILITY_METHODS}
 
     return predict, seconds, details
 
@@ -212,7 +216,10 @@ def train(name, method, seed, x, y, args):
 def run_one(name, method, seed, args):
     x, y, x_test, y_test = load(args)
     predict, seconds, details = train(name, method, seed, x, y, args)
-    _, plain_seconds = plain_member(name, seed, 0, x, y, args)
+    if not os.path.exists(_member_stem(name, seed, 0, args) + ".json"):  # `dropout` trains its own network
+        plain_member(name, seed, 0, x, y, args)
+    with open(_member_stem(name, seed, 0, args) + ".json") as f:
+        plain_seconds = json.load(f)["seconds"]
     predict(x_test[:500])  # compiled before it is timed
     start = time.time()
     clean = _by_method(predict(x_test))

@@ -131,21 +131,27 @@ def test_one_unit_moments_match_quadrature(activation, variance, floatx):
     np.testing.assert_allclose(to_numpy(var_h), oracle[:, 1], atol=tol * scale)
 
 
+def _quadrature_oracle(f, derivative, m, v, points, epsabs=1e-16):
+    """`(E[f(a)], Var[f(a)], E[f'(a)])` for `a ~ N(m, v)` by adaptive quadrature over 14 sd,
+    split at `points` (an activation's kinks or bend); the variance taken about the mean (no
+    cancellation where it is tiny)."""
+    s = math.sqrt(v)
+    lo, hi = m - 14 * s, m + 14 * s
+    quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
+                                    points=[p for p in points if lo < p < hi] or None,
+                                    epsabs=epsabs, epsrel=1e-12, limit=400)[0]
+    first = quad(f)
+    return first, quad(lambda a: (f(a) - first) ** 2), quad(derivative)
+
+
 def test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails(floatx):
     """ReLU6 (`min(max(a, 0), 6)`, MobileNets): means across both kinks and far beyond them,
     variances from 1e-8 (the mass at one point: no cancellation in the variance) to 25."""
     means, variances = (np.array(c, "float64") for c in zip(*itertools.product(
         [-40.0, -4.0, -0.5, 0.0, 0.3, 3.0, 5.9, 6.0, 6.5, 9.0, 46.0], [1e-8, 0.01, 1.0, 25.0])))
-    def centred(m, v):  # the variance as E[(f - E f)^2]: no cancellation where it is tiny
-        f, s = ACTIVATION_FNS["relu6"], np.sqrt(v)
-        lo, hi = m - 12 * s, m + 12 * s
-        quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
-                                        points=[p for p in (0.0, 6.0) if lo < p < hi] or None,
-                                        epsabs=1e-16, epsrel=1e-12, limit=400)[0]
-        first = quad(f)
-        return first, quad(lambda a: (f(a) - first) ** 2)
-
-    oracle = np.array([centred(m, v) for m, v in zip(means, variances)])
+    inside = lambda a: 1.0 if 0.0 < a < 6.0 else 0.0  # noqa: E731 - ReLU6's slope
+    oracle = np.array([_quadrature_oracle(ACTIVATION_FNS["relu6"], inside, m, v, points=(0.0, 6.0))
+                       for m, v in zip(means, variances)])
     mean_h, var_h, slope = (to_numpy(t) for t in moments.activation_moments_and_slope(
         keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(variances, floatx), "relu6"))
     sd = np.sqrt(variances)
@@ -156,20 +162,7 @@ def test_relu6_moments_match_quadrature_around_both_kinks_and_in_the_tails(float
         scale = np.maximum(np.abs(means), 1.0)
         np.testing.assert_array_less(np.abs(mean_h - oracle[:, 0]), 2e-6 * scale + 1e-6 * sd)
         np.testing.assert_array_less(np.abs(var_h - oracle[:, 1]), 1e-3 * oracle[:, 1] + 1e-6 * scale * sd + 1e-12)
-    np.testing.assert_allclose(slope, stats.norm.cdf(6.0, means, sd) - stats.norm.cdf(0.0, means, sd),
-                               atol=1e-12 if floatx == "float64" else 1e-6)
-
-
-def _kinked_oracle(f, derivative, m, v, kinks=(-3.0, 3.0)):
-    """`(E[f(a)], Var[f(a)], E[f'(a)])` for `a ~ N(m, v)` by adaptive quadrature split at `f`'s
-    kinks; the variance taken about the mean (no cancellation where it is tiny)."""
-    s = math.sqrt(v)
-    lo, hi = m - 14 * s, m + 14 * s
-    quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
-                                    points=[p for p in kinks if lo < p < hi] or None,
-                                    epsabs=1e-16, epsrel=1e-12, limit=400)[0]
-    first = quad(f)
-    return first, quad(lambda a: (f(a) - first) ** 2), quad(derivative)
+    np.testing.assert_allclose(slope, oracle[:, 2], atol=1e-12 if floatx == "float64" else 1e-6)
 
 
 def _hard_silu(a):
@@ -185,7 +178,7 @@ def test_hard_silu_moments_match_quadrature_across_both_kinks_and_in_the_tails(f
         [-40.0, -6.0, -3.2, -3.0, -1.0, 0.0, 0.4, 2.9, 3.0, 3.5, 8.0, 46.0], [1e-8, 0.01, 1.0, 25.0, 400.0])))
 
     slope = lambda a: 0.0 if a < -3.0 else ((2.0 * a + 3.0) / 6.0 if a < 3.0 else 1.0)  # noqa: E731
-    want = np.array([_kinked_oracle(_hard_silu, slope, m, v) for m, v in zip(means, variances)])
+    want = np.array([_quadrature_oracle(_hard_silu, slope, m, v, points=(-3.0, 3.0)) for m, v in zip(means, variances)])
     got = np.stack([to_numpy(t).astype("float64") for t in moments.activation_moments_and_slope(
         keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(variances, floatx), "hard_silu")], 1)
     scale, sd = np.maximum(np.abs(means), 1.0), np.sqrt(variances)
@@ -221,7 +214,7 @@ def test_hard_sigmoid_moments_match_quadrature_across_both_kinks(floatx):
         [-30.0, -3.5, -3.0, -1.0, 0.0, 2.5, 3.0, 9.0], [1e-8, 0.3, 4.0, 100.0])))
 
     slope = lambda a: 1.0 / 6.0 if -3.0 < a < 3.0 else 0.0  # noqa: E731
-    want = np.array([_kinked_oracle(f, slope, m, v) for m, v in zip(means, variances)])
+    want = np.array([_quadrature_oracle(f, slope, m, v, points=(-3.0, 3.0)) for m, v in zip(means, variances)])
     got = np.stack([to_numpy(t).astype("float64") for t in moments.activation_moments_and_slope(
         keras.ops.convert_to_tensor(means, floatx), keras.ops.convert_to_tensor(variances, floatx), "hard_sigmoid")], 1)
     tol = 1e-10 if floatx == "float64" else 2e-6
@@ -260,16 +253,7 @@ def test_smooth_activations_match_quadrature_within_the_stated_error(activation)
     variances = [1e-8, 0.1, 0.2499, 0.25, 1.0, 4.0, 16.0, 100.0]
     grid = np.array(list(itertools.product(means, variances)))
 
-    def oracle(m, v):
-        s = math.sqrt(v)
-        lo, hi = m - 14 * s, m + 14 * s
-        quad = lambda g: integrate.quad(lambda a: g(a) * _normal_pdf(a, m, s), lo, hi,  # noqa: E731
-                                        points=[0.0] if lo < 0.0 < hi else None, epsabs=1e-300, epsrel=1e-12,
-                                        limit=400)[0]
-        first = quad(f)
-        return first, quad(lambda a: (f(a) - first) ** 2), quad(derivative)
-
-    want = np.array([oracle(m, v) for m, v in grid])
+    want = np.array([_quadrature_oracle(f, derivative, m, v, points=(0.0,), epsabs=1e-300) for m, v in grid])
     got = np.stack([to_numpy(t) for t in moments.activation_moments_and_slope(
         keras.ops.convert_to_tensor(grid[:, 0], "float64"), keras.ops.convert_to_tensor(grid[:, 1], "float64"),
         activation)], axis=1)

@@ -262,11 +262,11 @@ def _relu_moments(mean, variance):
 def activation_moments_and_slope(mean, variance, activation):
     """`(E[f(a)], Var[f(a)], E[f'(a)])` for independent Gaussian units: `activation_moments`
     and `expected_derivative` in one pass (ReLU's share its normal densities and gradient)."""
-    name = canonical_activation(activation)
-    if name in _ONE_PASS:
-        return _ONE_PASS[name](mean, variance)
-    mean_h, var_h = activation_moments(mean, variance, activation)
-    return mean_h, var_h, expected_derivative(mean, variance, activation)
+    entry = get_activation(activation)
+    if entry.moments_and_slope is not None:
+        return entry.moments_and_slope(mean, variance)
+    mean_h, var_h = entry.moments(mean, variance)
+    return mean_h, var_h, entry.derivative(mean, variance)
 
 
 def _relu_derivative(mean, variance):
@@ -853,20 +853,35 @@ class Activation:
     Attributes:
         name: the name layers accept and save (`activation="relu"`).
         apply: `f(x)`, elementwise (weight sampling, skip connections).
-        moments: `(mean, variance) -> (E[f(a)], Var[f(a)])` for independent Gaussian units.
-        derivative: `(mean, variance) -> E[f'(a)]` (Stein's lemma).
+        moments: `(mean, variance) -> (E[f(a)], Var[f(a)])` for independent Gaussian units
+            (default: the first two of `moments_and_slope`).
+        derivative: `(mean, variance) -> E[f'(a)]` (Stein's lemma; default: the third of
+            `moments_and_slope`).
         covariance: `(mean_j, mean_l, var_j, var_l, cov_jl, method) -> Cov(f(a_j), f(a_l))`
             for `method` `"paper"` or `"exact"`, or `None` where keras-dvi has no closed form
             (the activation then serves the layers with diagonal moments only).
         identity: whether `f` is the identity (moments pass through unchanged).
+        moments_and_slope: `(mean, variance) -> (E[f(a)], Var[f(a)], E[f'(a)])` in one pass
+            (shared densities, pieces or quadrature), or `None`: `activation_moments_and_slope`
+            then combines `moments` and `derivative`.
     """
 
     name: str
     apply: Callable
-    moments: Callable
-    derivative: Callable
-    covariance: Callable | None
+    moments: Callable | None = None
+    derivative: Callable | None = None
+    covariance: Callable | None = None
     identity: bool = False
+    moments_and_slope: Callable | None = None
+
+    def __post_init__(self):
+        if self.moments_and_slope is not None:  # frozen: fill the parts through object.__setattr__
+            if self.moments is None:
+                object.__setattr__(self, "moments", _first_two(self.moments_and_slope))
+            if self.derivative is None:
+                object.__setattr__(self, "derivative", _third(self.moments_and_slope))
+        if self.moments is None or self.derivative is None:
+            raise ValueError(f"Activation {self.name!r} needs `moments` and `derivative`, or `moments_and_slope`.")
 
 
 _ACTIVATIONS = {
@@ -874,30 +889,22 @@ _ACTIVATIONS = {
     for a in (
         Activation("linear", lambda x: x, lambda m, v: (m, v), lambda m, v: ops.ones_like(m),
                    _linear_covariance, identity=True),
-        Activation("relu", ops.relu, _relu_moments, _relu_derivative, _relu_covariance),
+        Activation("relu", ops.relu, _relu_moments, _relu_derivative, _relu_covariance,
+                   moments_and_slope=_relu_moments_and_slope),
         Activation("heaviside", lambda x: ops.cast(x > 0, x.dtype), _heaviside_moments,
                    _heaviside_derivative, _heaviside_covariance),
         Activation("leaky_relu", lambda x: ops.leaky_relu(x, negative_slope=LEAKY_SLOPE),
                    _leaky_relu_moments,
                    lambda m, v: LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * _relu_derivative(m, v),
                    _leaky_relu_covariance),
-        Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, None),
-        Activation("hard_silu", ops.hard_silu, _first_two(_hard_silu_moments_and_slope),
-                   _third(_hard_silu_moments_and_slope), None),
-        Activation("hard_sigmoid", ops.hard_sigmoid, _first_two(_hard_sigmoid_moments_and_slope),
-                   _third(_hard_sigmoid_moments_and_slope), None),
-        Activation("silu", ops.silu, _first_two(_silu_moments_and_slope), _third(_silu_moments_and_slope), None),
-        Activation("gelu", lambda x: ops.gelu(x, approximate=False), _first_two(_gelu_moments_and_slope),
-                   _third(_gelu_moments_and_slope), None),
-        Activation("sigmoid", ops.sigmoid, _first_two(_sigmoid_moments_and_slope),
-                   _third(_sigmoid_moments_and_slope), None),
+        Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, moments_and_slope=_relu6_moments_and_slope),
+        Activation("hard_silu", ops.hard_silu, moments_and_slope=_hard_silu_moments_and_slope),
+        Activation("hard_sigmoid", ops.hard_sigmoid, moments_and_slope=_hard_sigmoid_moments_and_slope),
+        Activation("silu", ops.silu, moments_and_slope=_silu_moments_and_slope),
+        Activation("gelu", lambda x: ops.gelu(x, approximate=False), moments_and_slope=_gelu_moments_and_slope),
+        Activation("sigmoid", ops.sigmoid, moments_and_slope=_sigmoid_moments_and_slope),
     )
 }
-#: The activations whose `(E[f], Var[f], E[f'])` come from one pass (shared densities, pieces or
-#: quadrature); the others combine `moments` and `derivative`.
-_ONE_PASS = {"relu": _relu_moments_and_slope, "relu6": _relu6_moments_and_slope,
-             "hard_silu": _hard_silu_moments_and_slope, "hard_sigmoid": _hard_sigmoid_moments_and_slope,
-             "silu": _silu_moments_and_slope, "gelu": _gelu_moments_and_slope, "sigmoid": _sigmoid_moments_and_slope}
 #: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
 COVARIANCE_ACTIVATIONS = tuple(name for name, a in _ACTIVATIONS.items() if a.covariance is not None)
 #: Other names of the activations (Keras' `"swish"` is SiLU, `"hard_swish"` hard SiLU).
