@@ -31,6 +31,22 @@ def to_numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
+def plain_outputs(model, x):
+    """A plain Keras model's `model(x, training=False)` as NumPy, the oracle of a conversion.
+    A channels-first model runs compiled by XLA on TensorFlow: TensorFlow's own CPU kernels
+    refuse channels-first convolutions ("Conv2D op currently only supports the NHWC tensor
+    format on the CPU", TensorFlow 2.21), XLA's take any layout."""
+    def layers(layer):
+        return [layer] + [inner for child in getattr(layer, "layers", []) for inner in layers(child)]
+
+    first = any(getattr(layer, "data_format", None) == "channels_first" for layer in layers(model))
+    if first and keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return to_numpy(tf.function(lambda t: model(t, training=False), jit_compile=True)(x))
+    return to_numpy(model(x, training=False))
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "tensorflow_only: uses a TensorFlow-only feature (skipped on other backends)"
