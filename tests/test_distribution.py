@@ -1,11 +1,13 @@
 """XLA, tf.distribute.MirroredStrategy (two logical CPUs) and determinism."""
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import keras
 import numpy as np
+import pytest
 
 from keras_dvi import DenseDiagDVI, DenseDVI, EmpiricalBayesRegularizer, HeteroscedasticELL, SkipDVI
 
@@ -34,9 +36,13 @@ def build():
 """
 
 
-def _run(script):
+def _run(script, env=None):
+    """Runs `COMMON` then `script` (each dedented) in a fresh Python; returns its output."""
+    common = COMMON if (env or {}).get("KERAS_BACKEND", "tensorflow") == "tensorflow" else \
+        COMMON.replace("import tensorflow as tf\n", "")
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(COMMON) + textwrap.dedent(script)],
+        [sys.executable, "-c", textwrap.dedent(common) + textwrap.dedent(script)],
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
@@ -123,4 +129,86 @@ def test_seeded_training_is_deterministic():
         print("OK")
         """
     )
+    assert out.startswith("OK")
+
+
+#: A converted residual network (batch normalisation folded, `Add`, ReLU layers, global
+#: pooling, a softmax head): what `keras_dvi.convert` makes of a ResNet, small enough to train
+#: in seconds (issue 49, item 7; `benchmarks/backbones.py` has the ResNet-20 figures).
+CONVERTED = """
+import keras_dvi as kd
+
+rng = np.random.default_rng(0)
+images = rng.uniform(size=(64, 8, 8, 1)).astype("float32")
+labels = (np.arange(64) % 3).astype("int32")
+
+def converted():
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inputs)
+    h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    branch = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(h)
+    branch = keras.layers.BatchNormalization()(branch)
+    h = keras.layers.ReLU()(keras.layers.Add()([h, branch]))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    plain = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    model = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=64))
+    model.compile(keras.optimizers.SGD(0.05), loss=kd.SoftmaxDeltaELL())
+    return model
+
+def compare(one, two):
+    (w1, h1, p1), (w2, h2, p2) = one, two
+    for key in ("loss", "nll", "kl"):
+        np.testing.assert_allclose(h2[key], h1[key], rtol=1e-5)
+    for a, b in zip(w1, w2):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p2, p1, rtol=1e-5, atol=1e-6)
+    print("OK", h1["loss"], h2["loss"])
+"""
+
+
+def test_converted_resnet_block_trains_the_same_under_mirrored_strategy():
+    """A converted residual network trains to the same losses, `nll` / `kl` logs, weights and
+    predictions on two logical CPUs under `tf.distribute.MirroredStrategy` as on one device
+    (each replica computes half of every batch; the gradients are summed)."""
+    out = _run(CONVERTED + textwrap.dedent("""
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+        def train(strategy):
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                model = converted()
+            history = model.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+            return model.get_weights(), history, model.predict(images, verbose=0)
+
+        one = train(tf.distribute.get_strategy())
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        assert strategy.num_replicas_in_sync == 2
+        compare(one, train(strategy))
+        """))
+    assert out.startswith("OK")
+
+
+def test_converted_resnet_block_trains_the_same_under_jax_data_parallel():
+    """The same under JAX with `keras.distribution.DataParallel` over two CPU devices (each
+    batch split between them)."""
+    pytest.importorskip("jax")
+    script = CONVERTED + textwrap.dedent("""
+        import jax
+
+        devices = jax.devices("cpu")
+        assert len(devices) == 2, devices
+
+        def train(distribution):
+            keras.distribution.set_distribution(distribution)
+            keras.utils.set_random_seed(0)
+            model = converted()
+            history = model.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+            return model.get_weights(), history, model.predict(images, verbose=0)
+
+        one = train(None)
+        compare(one, train(keras.distribution.DataParallel(devices=devices)))
+        """)
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = _run(script, env=env)
     assert out.startswith("OK")
