@@ -224,7 +224,7 @@ def unpack(outputs, covariance="auto"):
     if covariance == "full" and kind == DIAGONAL:
         second = moments.diag_embed(second)
     elif covariance == "diagonal" and kind == FULL:
-        second = ops.diagonal(second, axis1=-2, axis2=-1)
+        second = moments.diagonal(second)
     return mean, second
 
 

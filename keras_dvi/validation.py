@@ -28,6 +28,7 @@ import numpy as np
 from keras import ops
 
 from keras_dvi import network, objective
+from keras_dvi.maths import moments
 from keras_dvi.packing import producer_of
 
 
@@ -99,7 +100,7 @@ def check_moments(mean, second, kind, name="inputs", validate=False, where=None)
         return mean, second
     if not validate or isinstance(second, keras.KerasTensor):
         return mean, second
-    variances = ops.diagonal(second, axis1=-2, axis2=-1) if full else second
+    variances = moments.diagonal(second) if full else second
     return check_packed_variances(mean, variances, where or f"Argument `{name}`", validate), second
 
 

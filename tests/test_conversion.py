@@ -398,3 +398,70 @@ def test_what_cannot_be_converted_is_refused_by_name():
         kd.convert(Subclassed())
     with pytest.raises(ValueError, match="hidden_covariance"):
         kd.convert(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]), hidden_covariance="block")
+
+
+# ------------------------------------------------------------------ deployment
+
+
+def _mobile_block():
+    """MobileNetV2's block in small: conv, batch normalisation, ReLU6, a depthwise convolution
+    with batch normalisation, the residual `Add`, zero padding, max pooling, a batch
+    normalisation that cannot fold (`BatchNormalizationDVI`), global pooling, a softmax head."""
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inputs)
+    h = keras.layers.ReLU(6.0)(keras.layers.BatchNormalization()(h))
+    branch = keras.layers.DepthwiseConv2D(3, padding="same", use_bias=False)(h)
+    branch = keras.layers.BatchNormalization()(branch)
+    h = keras.layers.ReLU()(keras.layers.Add()([h, branch]))
+    h = keras.layers.MaxPooling2D(2)(keras.layers.ZeroPadding2D(1)(h))
+    h = keras.layers.GlobalAveragePooling2D()(keras.layers.BatchNormalization()(h))
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def _deployable(kind):
+    """`(keras-dvi model at its default variances, input)` of each kind of network."""
+    from tests.test_map_layers import _squeeze_excitation_network
+
+    if kind == "dense":  # full covariances: the paper's cross-covariances, DenseDVI's head
+        model = keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(8, "relu"), kd.DenseDVI(6, "relu"), kd.DenseDVI(2)])
+        return model, np.random.default_rng(0).normal(size=(5, 3)).astype("float32")
+    if kind == "cnn":  # Gaussian max pooling with the ReLU on it, flatten, dense head
+        model = keras.Sequential([keras.Input((10, 10, 1)), kd.Conv2DDVI(4, 3), kd.MaxPooling2DDVI(activation="relu"),
+                                  kd.Conv2DDVI(4, 2, activation="relu"), kd.FlattenDVI(), kd.DenseDVI(3)])
+        return model, _images(rows=5)
+    plain = _mobile_block() if kind == "mobilenet" else _squeeze_excitation_network()
+    _randomise_batch_norm(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (MultiplyDVI's stated limit)
+        model = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=100))
+    return model, _images(rows=5, size=8, channels=3)
+
+
+@pytest.mark.tensorflow_only
+@pytest.mark.parametrize("kind", ["dense", "cnn", "mobilenet", "squeeze_excitation"])
+def test_networks_export_and_convert_to_tflite_builtins(kind, tmp_path):
+    """`model.export` (a SavedModel) and TFLite with builtin operations only (no TensorFlow
+    fallback, no custom operations; a dynamic batch dimension) predict what the Keras model
+    predicts: full covariances, max pooling, folded batch normalisation, ReLU6, depthwise
+    convolutions, `Add`, SiLU / sigmoid / GELU and `MultiplyDVI`."""
+    import tensorflow as tf
+
+    model, x = _deployable(kind)
+    expected = model.predict(x, verbose=0)
+    assert np.isfinite(expected).all() and np.abs(expected).max() > 0
+    tolerance = {"rtol": 1e-5, "atol": 1e-6 * np.abs(expected).max()}
+    model.export(str(tmp_path / "saved"), verbose=False)
+    saved = tf.saved_model.load(str(tmp_path / "saved"))  # (held: its variables live as long as it does)
+    np.testing.assert_allclose(saved.serve(tf.constant(x)).numpy(), expected, **tolerance)
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (tf.lite.Interpreter's deprecation notice)
+        interpreter = tf.lite.Interpreter(model_content=converter.convert())
+    index = interpreter.get_input_details()[0]["index"]
+    interpreter.resize_tensor_input(index, x.shape)
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(index, x)
+    interpreter.invoke()
+    lite = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+    np.testing.assert_allclose(lite, expected, **tolerance)

@@ -596,3 +596,23 @@ def test_unknown_activation_and_method_are_refused():
         moments.canonical_covariance_activation("relu6", "DenseDVI")
     with pytest.raises(ValueError, match="no closed-form covariance"):
         moments.cross_covariance(*[keras.ops.ones((2,))] * 5, "relu6")
+
+
+def test_float32_erfc_and_arcsin_match_scipy_and_numpy():
+    """The float32 forms that TFLite's builtin operations can run (`moments.erfc`: Numerical
+    Recipes' `erfcc` fit; `arcsin` through `arctan2`) against float64 references: `erfc`
+    within 2e-6 relative error below 3 and 2e-5 out to 9 (the backend's own float32 `erfc` is
+    no better: 1e-6 and 1.2e-5), within 5e-7 absolute for negative arguments; `arcsin` within
+    float32 round-off on [-1, 1]. float64 keeps the exact functions."""
+    x = np.linspace(-9.0, 9.0, 36001)
+    exact = special.erfc(x)
+    got = to_numpy(moments.erfc(keras.ops.convert_to_tensor(x, "float32"))).astype("float64")
+    relative = np.abs(got - exact) / exact
+    assert relative[(x >= 0) & (x < 3)].max() < 2e-6
+    assert relative[x >= 0].max() < 2e-5
+    assert np.abs(got - exact)[x < 0].max() < 5e-7  # two float32 steps at 2
+    assert to_numpy(moments.erfc(keras.ops.convert_to_tensor(x, "float64"))).dtype == np.float64
+    np.testing.assert_allclose(to_numpy(moments.erfc(keras.ops.convert_to_tensor(x, "float64"))), exact, rtol=1e-13)
+    r = np.linspace(-1.0, 1.0, 20001).astype("float32")  # (the reference at the same rounded points)
+    np.testing.assert_allclose(to_numpy(moments._arcsin(keras.ops.convert_to_tensor(r))), np.arcsin(r.astype("float64")),
+                               atol=3e-7)

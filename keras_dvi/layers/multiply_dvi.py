@@ -5,7 +5,7 @@ from keras import ops
 
 from keras_dvi import packing, sampling, validation
 from keras_dvi.layers.feature_map import MapLayer, from_channels_last, to_channels_last
-from keras_dvi.maths import conv_moments
+from keras_dvi.maths import conv_moments, moments
 
 
 def _map_first(items, shapes):
@@ -83,7 +83,7 @@ class MultiplyDVI(MapLayer):
             gate_variance = ops.zeros_like(gate_mean)
         else:
             gate_variance = ops.cast(gate_second if kind == packing.DIAGONAL
-                                     else ops.diagonal(gate_second, axis1=-2, axis2=-1), mean.dtype)
+                                     else moments.diagonal(gate_second), mean.dtype)
             gate_mean, gate_variance = validation.check_moments(gate_mean, gate_variance, packing.DIAGONAL, "gate",
                                                                 where=f"{type(self).__name__} {self.name!r}")
         return self._from_last(packing.pack_map(*conv_moments.scale_moments(mean, variance, shared, gate_mean,

@@ -89,7 +89,7 @@ class SkipDVI(BayesianLayer):
                 mean, second, self.activation, self.covariance_approximation
             )
             linear_inputs = {"covariance": cov_h}
-            variance = ops.diagonal(second, axis1=-2, axis2=-1)
+            variance = moments.diagonal(second)
             slope = moments.expected_derivative(mean, variance, self.activation)
         mean_d, second_d, _ = moments.linear_moments(
             mean_h,
@@ -101,9 +101,9 @@ class SkipDVI(BayesianLayer):
             **linear_inputs,
         )
         # C_ik = sum_j Cov(a'_i, a'_j) E[f'(a'_j)] M_jk.
-        weighted = slope[..., :, None] * kernel_mean  # (batch, width, width)
+        weighted = ops.expand_dims(slope, -1) * kernel_mean  # (batch, width, width)
         if kind == packing.DIAGONAL:
-            cross = variance[..., :, None] * weighted
+            cross = ops.expand_dims(variance, -1) * weighted
         elif full_output:
             cross = ops.matmul(second, weighted)
         else:
@@ -112,7 +112,7 @@ class SkipDVI(BayesianLayer):
             input_cov = moments.diag_embed(variance) if kind == packing.DIAGONAL else second
             return mean + mean_d, input_cov + second_d + cross + ops.swapaxes(cross, -1, -2)
         if kind == packing.DIAGONAL:
-            cross_diag = ops.diagonal(cross, axis1=-2, axis2=-1)
+            cross_diag = moments.diagonal(cross)
         return mean + mean_d, variance + second_d + 2.0 * cross_diag
 
     def _sample(self, inputs, context):

@@ -118,15 +118,44 @@ def normal_pdf(x):
     return ops.exp(-0.5 * ops.square(x)) / _SQRT_2PI
 
 
+#: Coefficients of the Chebyshev fit of `log(erfc(z) / t) + z^2`, `t = 1 / (1 + z / 2)`, in
+#: powers of `t` (Press et al., Numerical Recipes, `erfcc`: fractional error below 1.2e-7).
+_ERFC_FIT = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
+             1.48851587, -0.82215223, 0.17087277)
+
+
+def _portable(x):
+    """Whether `x` (float32 or float16) takes the portable forms of `erfc` and `arcsin` below:
+    built from operations every runtime has, TFLite's builtin operations included, so that a
+    keras-dvi model converts to TFLite. float64 keeps the backend's exact functions."""
+    return keras.backend.standardize_dtype(x.dtype) != "float64"
+
+
+def erfc(x):
+    """The complementary error function. In float64 the backend's `ops.erfc`; in float32 and
+    float16 the Chebyshev fit of Press et al. (Numerical Recipes, `erfcc`) from `exp`, products
+    and sums, as accurate as TensorFlow's own float32 `erfc` (relative error within 2e-6 below
+    3, tested) and converting to TFLite's builtin operations, which have no `erfc`."""
+    if not _portable(x):
+        return ops.erfc(x)
+    z = ops.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    series = _ERFC_FIT[-1]
+    for coefficient in _ERFC_FIT[-2::-1]:  # Horner's rule, 9 steps (not a loop over data)
+        series = coefficient + t * series
+    upper = t * ops.exp(series - ops.square(z))
+    return ops.where(x >= 0, upper, 2.0 - upper)
+
+
 def normal_cdf(x):
     """Standard normal distribution function `Phi(x)`, accurate in both tails."""
-    return 0.5 * ops.erfc(-x * _SQRT_HALF)
+    return 0.5 * erfc(-x * _SQRT_HALF)
 
 
 def normal_cdf_pair(x):
     """`(Phi(x), Phi(-x))`, both accurate in their tails, from one `erfc`: the smaller of the
     two is `Phi(-|x|)` and the other its complement (which is then at least 1/2)."""
-    tail = 0.5 * ops.erfc(ops.abs(x) * _SQRT_HALF)
+    tail = 0.5 * erfc(ops.abs(x) * _SQRT_HALF)
     rest = 1.0 - tail
     positive = x > 0
     return ops.where(positive, rest, tail), ops.where(positive, tail, rest)
@@ -144,9 +173,13 @@ def safe_exp(x, limit=60.0):
 
 
 def _arcsin(x):
-    """`arcsin` in the dtype of `x`. Keras 3.15's JAX backend computes `ops.arcsin` of a
-    float64 tensor in float32 (its result-type rule promotes to `floatx`), which loses the
-    float64 accuracy near `|x| = 1` and made gradients infinite there; call JAX directly."""
+    """`arcsin` in the dtype of `x`. In float32 and float16, `arctan2(x, sqrt((1 - x)(1 + x)))`
+    (the same function and derivative; TFLite's builtin operations have `atan2`, not `asin`).
+    Keras 3.15's JAX backend computes `ops.arcsin` of a float64 tensor in float32 (its
+    result-type rule promotes to `floatx`), which loses the float64 accuracy near `|x| = 1` and
+    made gradients infinite there; call JAX directly."""
+    if _portable(x):
+        return ops.arctan2(x, ops.sqrt((1.0 - x) * (1.0 + x)))
     if keras.backend.backend() == "jax":
         import jax.numpy as jnp
 
@@ -466,7 +499,7 @@ def _smooth_moments(function, derivative, companion, mean, variance):
     weights = ops.convert_to_tensor(_GH_WEIGHTS, dtype=dtype)
     variance = ops.maximum(variance, 0.0)
     std = _safe_std(variance)
-    points = mean[..., None] + std[..., None] * nodes
+    points = ops.expand_dims(mean, -1) + ops.expand_dims(std, -1) * nodes
 
     def expect(values):
         return ops.sum(values * weights, axis=-1)
@@ -474,14 +507,14 @@ def _smooth_moments(function, derivative, companion, mean, variance):
     at_mean = function(mean)
     values = function(points)
     slopes = derivative(points)
-    shifts = values - at_mean[..., None]
+    shifts = values - ops.expand_dims(at_mean, -1)
     shift = expect(shifts)
     near = (at_mean + shift, ops.maximum(expect(ops.square(shifts)) - ops.square(shift), 0.0), expect(slopes))
     companion_values = g(points)
     residual = values - companion_values
     residual_mean = expect(residual)
-    residual_dev = residual - residual_mean[..., None]
-    companion_dev = companion_values - expect(companion_values)[..., None]
+    residual_dev = residual - ops.expand_dims(residual_mean, -1)
+    companion_dev = companion_values - ops.expand_dims(expect(companion_values), -1)
     mean_g, var_g, slope_g = closed(mean, variance)
     wide = (mean_g + residual_mean,
             ops.maximum(var_g + expect(residual_dev * (residual_dev + 2.0 * companion_dev)), 0.0),
@@ -585,8 +618,8 @@ def _owens_t_unit(h, a):
     """Owen's T for 0 <= a <= 1 by Gauss-Legendre quadrature of its defining integral."""
     nodes = ops.convert_to_tensor(_GL_NODES, dtype=h.dtype)
     weights = ops.convert_to_tensor(_GL_WEIGHTS, dtype=h.dtype)
-    u = 1.0 + ops.square(a[..., None] * nodes)
-    integrand = ops.exp(-0.5 * ops.square(h)[..., None] * u) / u
+    u = 1.0 + ops.square(ops.expand_dims(a, -1) * nodes)
+    integrand = ops.exp(-0.5 * ops.expand_dims(ops.square(h), -1) * u) / u
     return a / _TWO_PI * ops.sum(weights * integrand, axis=-1)
 
 
@@ -746,20 +779,20 @@ def activation_covariance(mean, covariance, activation, method="paper"):
     """
     if get_activation(activation).identity:
         return mean, covariance
-    variance = ops.diagonal(covariance, axis1=-2, axis2=-1)
+    variance = diagonal(covariance)
     mean_h, var_h = activation_moments(mean, variance, activation)
     off = cross_covariance(
-        mean[..., :, None],
-        mean[..., None, :],
-        variance[..., :, None],
-        variance[..., None, :],
+        ops.expand_dims(mean, -1),
+        ops.expand_dims(mean, -2),
+        ops.expand_dims(variance, -1),
+        ops.expand_dims(variance, -2),
         covariance,
         activation,
         method,
     )
     # Replace the diagonal by the exact variances. The result is symmetric whenever
     # `covariance` is: every formula is evaluated identically for (j, l) and (l, j).
-    off_diagonal = ops.diagonal(off, axis1=-2, axis2=-1)
+    off_diagonal = diagonal(off)
     return mean_h, off + diag_embed(var_h - off_diagonal)
 
 
@@ -808,7 +841,7 @@ def linear_moments(
     if variance is not None:
         second = second + variance
     elif covariance is not None:
-        second = second + ops.diagonal(covariance, axis1=-2, axis2=-1)
+        second = second + diagonal(covariance)
     var_a = ops.matmul(second, kernel_variance)
     if bias_mean is not None:
         mean_a = mean_a + bias_mean
@@ -825,11 +858,11 @@ def linear_moments(
         return mean_a, var_a, True
     if variance is not None:
         # M^T diag(v) M = (M * v)^T M: O(batch in units^2), no (in, in) matrices.
-        scaled = variance[..., :, None] * kernel_mean  # (batch, in, units)
-        cov_a = ops.einsum("ju,bjk->buk", kernel_mean, scaled)
+        scaled = ops.expand_dims(variance, -1) * kernel_mean  # (batch, in, units)
+        cov_a = ops.matmul(ops.transpose(kernel_mean), scaled)  # M^T (v M): (batch, units, units)
     else:
         projected = ops.matmul(covariance, kernel_mean)  # (batch, in, units)
-        cov_a = ops.einsum("ju,bjk->buk", kernel_mean, projected)
+        cov_a = ops.matmul(ops.transpose(kernel_mean), projected)  # M^T S M
     cov_a = cov_a + diag_embed(var_a)
     return mean_a, cov_a, False
 
@@ -837,7 +870,16 @@ def linear_moments(
 def diag_embed(variance):
     """`(..., K)` variances to `(..., K, K)` diagonal covariance matrices."""
     units = ops.shape(variance)[-1]
-    return variance[..., :, None] * ops.eye(units, dtype=variance.dtype)
+    return ops.expand_dims(variance, -1) * ops.eye(units, dtype=variance.dtype)
+
+
+def diagonal(matrix):
+    """The diagonal `(..., K)` of `(..., K, K)` matrices: the sum of each row with its
+    off-diagonal entries masked out, exact (TFLite's builtin operations have no op taking a
+    diagonal, and `where` keeps an infinite off-diagonal entry out of the sum)."""
+    units = ops.shape(matrix)[-1]
+    keep = ops.cast(ops.eye(units), "bool")
+    return ops.sum(ops.where(keep, matrix, ops.zeros_like(matrix)), axis=-1)
 
 
 # --------------------------------------------------------------------------------------------
