@@ -26,6 +26,11 @@ Protocol (fixed before any test score was seen; `benchmarks/images.py`'s shifts 
     block and before the dense layer (ResNet-20; MobileNetV2: before the dense layer, the only
     place Keras' architecture leaves for it), trained as plain; 20 passes at test time, with
     dropout on and batch normalisation in inference mode.
+  - `plain_finetuned` (a control, added after the first converted results): the plain
+    network fine-tuned as `converted` is (the same steps and rows, Adam 1e-3, cross-entropy),
+    with its batch normalisation frozen at the inference statistics, which is what the
+    converted network's folded batch normalisation amounts to. It separates what fine-tuning
+    with frozen statistics does from what the Bayesian layers do.
   - `last_layer`: `keras_dvi.convert(plain, last_layers=1)` with the plain backbone frozen
     (`trainable=False`: batch normalisation in inference mode), fine-tuned for
     `--finetune-steps` (default 150) with what `convert` compiles (`SoftmaxDeltaELL`, a copy
@@ -66,7 +71,7 @@ from benchmarks.classification import auroc, scores
 from benchmarks.images import NOISE_SDS, ROTATIONS, VALIDATION_ROWS, add_noise, load_mnist, rotate
 
 NETWORKS = ("resnet20", "mobilenetv2")
-METHODS = ("plain", "ensemble", "dropout", "last_layer", "converted")
+METHODS = ("plain", "ensemble", "dropout", "plain_finetuned", "last_layer", "converted")
 BATCH = 128
 LEARNING_RATE = 1e-3
 ENSEMBLE_SIZE = 5
@@ -186,6 +191,18 @@ def train(name, method, seed, x, y, args):
     plain, seconds = plain_member(name, seed, 0, x, y, args)
     start = time.time()
     keras.utils.set_random_seed(1000 * seed + 1)
+    rows = args.finetune_steps * BATCH  # exactly that many steps: shuffled passes over the data, cut
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(len(x)) for _ in range(math.ceil(rows / len(x)))])[:rows]
+    if method == "plain_finetuned":
+        for layer in plain.layers:  # frozen: inference-mode statistics, as folded into `converted`
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False
+        plain.compile(keras.optimizers.Adam(LEARNING_RATE), loss=plain.loss)
+        plain.fit(x[order], y[order], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        seconds += time.time() - start
+        return (lambda inputs: probabilities(plain, inputs)), seconds, {
+            "finetune_steps": int(keras.ops.convert_to_numpy(plain.optimizer.iterations))}
     prior = kd.EmpiricalBayesRegularizer(len(x))
     if method == "last_layer":
         for layer in plain.layers[:-1]:
@@ -193,9 +210,6 @@ def train(name, method, seed, x, y, args):
         model = kd.convert(plain, regularizer=prior, last_layers=1)
     else:
         model = kd.convert(plain, regularizer=prior)
-    rows = args.finetune_steps * BATCH  # exactly that many steps: shuffled passes over the data, cut
-    rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(len(x)) for _ in range(math.ceil(rows / len(x)))])[:rows]
     history = model.fit(x[order], y[order], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     seconds += time.time() - start
     details = {"finetune_steps": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
