@@ -138,13 +138,19 @@ def erfc(x):
     3, tested) and converting to TFLite's builtin operations, which have no `erfc`."""
     if not _portable(x):
         return ops.erfc(x)
-    z = ops.abs(x)
+    upper = _erfc_of_nonnegative(ops.abs(x))
+    return ops.where(x >= 0, upper, 2.0 - upper)
+
+
+def _erfc_of_nonnegative(z):
+    """`erfc(z)` for `z >= 0` (`erfc`'s rule, without the reflection for negative arguments)."""
+    if not _portable(z):
+        return ops.erfc(z)
     t = 1.0 / (1.0 + 0.5 * z)
     series = _ERFC_FIT[-1]
     for coefficient in _ERFC_FIT[-2::-1]:  # Horner's rule, 9 steps (not a loop over data)
         series = coefficient + t * series
-    upper = t * ops.exp(series - ops.square(z))
-    return ops.where(x >= 0, upper, 2.0 - upper)
+    return t * ops.exp(series - ops.square(z))
 
 
 def normal_cdf(x):
@@ -155,7 +161,7 @@ def normal_cdf(x):
 def normal_cdf_pair(x):
     """`(Phi(x), Phi(-x))`, both accurate in their tails, from one `erfc`: the smaller of the
     two is `Phi(-|x|)` and the other its complement (which is then at least 1/2)."""
-    tail = 0.5 * erfc(ops.abs(x) * _SQRT_HALF)
+    tail = 0.5 * _erfc_of_nonnegative(ops.abs(x) * _SQRT_HALF)
     rest = 1.0 - tail
     positive = x > 0
     return ops.where(positive, rest, tail), ops.where(positive, tail, rest)
