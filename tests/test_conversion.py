@@ -431,9 +431,7 @@ def _deployable(kind):
         return model, _images(rows=5)
     plain = _mobile_block() if kind == "mobilenet" else _squeeze_excitation_network()
     _randomise_batch_norm(plain)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (MultiplyDVI's stated limit)
-        model = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=100))
+    model = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=100))
     return model, _images(rows=5, size=8, channels=3)
 
 
