@@ -17,7 +17,7 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 def test_every_notebook_is_in_the_documentation():
     with open(os.path.join(ROOT, "mkdocs.yml")) as f:
         site = f.read()
-    assert len(NOTEBOOKS) == 7
+    assert len(NOTEBOOKS) == 8
     for path in NOTEBOOKS:
         assert f"notebooks/{os.path.basename(path)}" in site, path
 
