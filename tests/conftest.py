@@ -2,14 +2,6 @@ import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# One TensorFlow thread per operation in every test process (the subprocesses they start, the
-# notebooks' kernels and the JAX cross-section inherit it): the README's command runs two
-# pytest-xdist workers and the JAX run side by side, and the suite's networks are small, so a
-# second thread per operation only contends for the cores. Measured on 2 cores: the main job's
-# training step takes 65 ms with one thread against 80-114 ms with TensorFlow's default (two),
-# and two such processes side by side 108-119 ms against 150-221 ms. Set before TensorFlow
-# starts its thread pools; an explicit setting is kept.
-os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
