@@ -34,10 +34,6 @@ _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, kera
                        keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
                        keras.layers.ActivityRegularization, keras.layers.Identity)
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
-#: Activations without an upper bound: after depthwise convolutions, block after block
-#: (EfficientNets), their moments fall far short of Monte Carlo's (`convert` warns; the
-#: conversion guide's "The whole network against Monte Carlo").
-_UNBOUNDED = ("relu", "leaky_relu", "silu", "gelu", "hard_silu")
 #: The activations `convert` carries, for messages.
 _SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'hard_silu' / 'hard_swish', 'hard_sigmoid', "
               "'silu' / 'swish', 'gelu' (exact), 'sigmoid' or 'linear'")
@@ -336,6 +332,12 @@ def _folded_weights(layer, batch_norm):
     return kernel * scale, shift
 
 
+def _unbounded(activation):
+    """Whether `activation` is nonlinear and unbounded (its `moments.Activation` entry)."""
+    entry = moments.get_activation(activation)
+    return not (entry.bounded or entry.identity)
+
+
 def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, hidden_covariance="diagonal",
             last_layers=None):
     """The keras-dvi counterpart of a built plain Keras model, its weights as posterior means.
@@ -546,17 +548,18 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
 
         converted = keras.models.clone_model(model, clone_function=clone, call_function=call)
     stacked = [layer for layer in converted.layers
-               if isinstance(layer, dvi.DepthwiseConv2DDVI) and layer.activation in _UNBOUNDED]
-    if len(stacked) > 1:
+               if isinstance(layer, dvi.DepthwiseConv2DDVI) and _unbounded(layer.activation)]
+    if len(stacked) > 1:  # measured on EfficientNets: the guide's "The whole network against Monte Carlo"
         activations = ", ".join(sorted({layer.activation for layer in stacked}))
         warnings.warn(
             f"keras_dvi.convert: {len(stacked)} depthwise convolutions (first {stacked[0].name!r}) apply an "
-            f"unbounded activation ({activations}), block after block. On such networks, EfficientNets, the moments fall far short of Monte Carlo over the "
-            "weights: a converted EfficientNetB0 (default variances, 32x32) had output variances 0.01-0.10 of "
-            "Monte Carlo's, its SiLU blocks each losing about 8% (the same network agrees within 1.04-1.39 "
-            "with ReLU6, MobileNetV2's bounded activation, and its squeeze-and-excitation gates change it "
-            "little). Its means and, at tiny variances, its function are right. Check the spread with "
-            "keras_dvi.predict_samples, or convert with last_layers=k to make only the head Bayesian.",
+            f"unbounded activation ({activations}), block after block. On such networks, EfficientNets, the "
+            "moments fall far short of Monte Carlo over the weights: a converted EfficientNetB0 (default "
+            "variances, 32x32) had output variances 0.01-0.10 of Monte Carlo's, its SiLU blocks each losing "
+            "about 8% (the same network agrees within 1.04-1.39 with ReLU6, MobileNetV2's bounded activation, "
+            "and its squeeze-and-excitation gates change it little). Its means and, at tiny variances, its "
+            "function are right. Check the spread with keras_dvi.predict_samples, or convert with "
+            "last_layers=k to make only the head Bayesian.",
             stacklevel=2)
     for layer, copy in kept:
         if layer.weights:

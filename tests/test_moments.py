@@ -585,6 +585,18 @@ def test_owens_t_gradients_match_closed_form():
 # ------------------------------------------------------------------ validation
 
 
+def test_bounded_activations_are_the_bounded_functions():
+    """`Activation.bounded` (what `convert`'s warning about depthwise stacks reads) agrees with
+    the function itself: bounded entries stay within 6 on inputs out to +-1e6, the others grow
+    past 1e3 (the identity aside)."""
+    x = keras.ops.convert_to_tensor(np.array([-1e6, -1e3, 0.0, 1e3, 1e6], "float32"))
+    for name in moments.ACTIVATIONS:
+        entry = moments.get_activation(name)
+        largest = np.abs(to_numpy(entry.apply(x))).max()
+        assert entry.bounded == (largest <= 6.0), (name, largest)
+        assert entry.bounded or largest > 1e3, name
+
+
 def test_unknown_activation_and_method_are_refused():
     with pytest.raises(ValueError, match="activation"):
         moments.canonical_activation("tanh")

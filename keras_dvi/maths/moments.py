@@ -138,14 +138,17 @@ def erfc(x):
     3, tested) and converting to TFLite's builtin operations, which have no `erfc`."""
     if not _portable(x):
         return ops.erfc(x)
-    upper = _erfc_of_nonnegative(ops.abs(x))
+    upper = _erfc_fit(ops.abs(x))
     return ops.where(x >= 0, upper, 2.0 - upper)
 
 
 def _erfc_of_nonnegative(z):
     """`erfc(z)` for `z >= 0` (`erfc`'s rule, without the reflection for negative arguments)."""
-    if not _portable(z):
-        return ops.erfc(z)
+    return _erfc_fit(z) if _portable(z) else ops.erfc(z)
+
+
+def _erfc_fit(z):
+    """Numerical Recipes' `erfcc` fit of `erfc(z)`, `z >= 0`."""
     t = 1.0 / (1.0 + 0.5 * z)
     series = _ERFC_FIT[-1]
     for coefficient in _ERFC_FIT[-2::-1]:  # Horner's rule, 9 steps (not a loop over data)
@@ -912,6 +915,9 @@ class Activation:
         moments_and_slope: `(mean, variance) -> (E[f(a)], Var[f(a)], E[f'(a)])` in one pass
             (shared densities, pieces or quadrature), or `None`: `activation_moments_and_slope`
             then combines `moments` and `derivative`.
+        bounded: whether `f` is bounded (Heaviside, ReLU6, the sigmoids). After depthwise
+            convolutions block after block an unbounded nonlinear `f` makes the moments fall
+            far short of Monte Carlo's (EfficientNets; `keras_dvi.convert` warns).
     """
 
     name: str
@@ -921,6 +927,7 @@ class Activation:
     covariance: Callable | None = None
     identity: bool = False
     moments_and_slope: Callable | None = None
+    bounded: bool = False
 
     def __post_init__(self):
         if self.moments_and_slope is not None:  # frozen: fill the parts through object.__setattr__
@@ -940,17 +947,18 @@ _ACTIVATIONS = {
         Activation("relu", ops.relu, _relu_moments, _relu_derivative, _relu_covariance,
                    moments_and_slope=_relu_moments_and_slope),
         Activation("heaviside", lambda x: ops.cast(x > 0, x.dtype), _heaviside_moments,
-                   _heaviside_derivative, _heaviside_covariance),
+                   _heaviside_derivative, _heaviside_covariance, bounded=True),
         Activation("leaky_relu", lambda x: ops.leaky_relu(x, negative_slope=LEAKY_SLOPE),
                    _leaky_relu_moments,
                    lambda m, v: LEAKY_SLOPE + (1.0 - LEAKY_SLOPE) * _relu_derivative(m, v),
                    _leaky_relu_covariance),
-        Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, moments_and_slope=_relu6_moments_and_slope),
+        Activation("relu6", ops.relu6, _relu6_moments, _relu6_derivative, moments_and_slope=_relu6_moments_and_slope,
+                   bounded=True),
         Activation("hard_silu", ops.hard_silu, moments_and_slope=_hard_silu_moments_and_slope),
-        Activation("hard_sigmoid", ops.hard_sigmoid, moments_and_slope=_hard_sigmoid_moments_and_slope),
+        Activation("hard_sigmoid", ops.hard_sigmoid, moments_and_slope=_hard_sigmoid_moments_and_slope, bounded=True),
         Activation("silu", ops.silu, moments_and_slope=_silu_moments_and_slope),
         Activation("gelu", lambda x: ops.gelu(x, approximate=False), moments_and_slope=_gelu_moments_and_slope),
-        Activation("sigmoid", ops.sigmoid, moments_and_slope=_sigmoid_moments_and_slope),
+        Activation("sigmoid", ops.sigmoid, moments_and_slope=_sigmoid_moments_and_slope, bounded=True),
     )
 }
 #: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
