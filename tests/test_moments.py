@@ -587,8 +587,8 @@ def test_owens_t_gradients_match_closed_form():
 
 def test_bounded_activations_are_the_bounded_functions():
     """`Activation.bounded` (what `convert`'s warning about depthwise stacks reads) agrees with
-    the function itself: bounded entries stay within 6 on inputs out to +-1e6, the others grow
-    past 1e3 (the identity aside)."""
+    the function itself: bounded entries stay within 6 on inputs out to +-1e6, the others
+    (the identity included) grow past 1e3."""
     x = keras.ops.convert_to_tensor(np.array([-1e6, -1e3, 0.0, 1e3, 1e6], "float32"))
     for name in moments.ACTIVATIONS:
         entry = moments.get_activation(name)

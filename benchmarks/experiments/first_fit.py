@@ -16,78 +16,85 @@ images, batches of 64) and a plain Keras network of the README's shape.
 """
 
 import argparse
-import json
+import multiprocessing
 import os
-import subprocess
-import sys
+import statistics
 
-_CELL = r'''
-import hashlib, json, os, sys, time, warnings
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-warnings.simplefilter("ignore")
-import numpy as np
-import keras
-import keras_dvi as kd
-
-network, prebuild = sys.argv[1], sys.argv[2] == "1"
-traces = []
+NETWORKS = ("regression", "cnn", "plain")
 
 
-class Count(keras.layers.Layer):
-    """An identity layer counting how often the model is called (each trace calls it once)."""
+def _model_and_data(network):
+    """`(compiled model, x, y, batch size)`; the model's first layer counts its calls (one per trace)."""
+    import keras
+    import numpy as np
 
-    def call(self, inputs):
-        traces.append(1)
-        return inputs
+    import keras_dvi as kd
 
+    class Count(keras.layers.Layer):
+        """An identity layer counting how often the model is called (each trace calls it once)."""
 
-keras.utils.set_random_seed(0)
-if network == "cnn":
-    rng = np.random.default_rng(0)
-    x, y = rng.random((256, 28, 28, 1)).astype("float32"), rng.integers(0, 10, 256)
-    prior = kd.EmpiricalBayesRegularizer(num_train=len(x))
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)), Count(),
-        kd.Conv2DDVI(16, 3, regularizer=prior), kd.MaxPooling2DDVI(2, activation="relu"),
-        kd.Conv2DDVI(32, 3, regularizer=prior), kd.MaxPooling2DDVI(2, activation="relu"),
-        kd.FlattenDVI(), kd.DenseDVI(10, regularizer=prior),
-    ])
-    model.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
-    batch_size = 64
-else:
+        calls = 0
+
+        def call(self, inputs):
+            Count.calls += 1
+            return inputs
+
+    keras.utils.set_random_seed(0)
+    if network == "cnn":
+        rng = np.random.default_rng(0)
+        x, y = rng.random((256, 28, 28, 1)).astype("float32"), rng.integers(0, 10, 256)
+        prior = kd.EmpiricalBayesRegularizer(num_train=len(x))
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), Count(),
+            kd.Conv2DDVI(16, 3, regularizer=prior), kd.MaxPooling2DDVI(2, activation="relu"),
+            kd.Conv2DDVI(32, 3, regularizer=prior), kd.MaxPooling2DDVI(2, activation="relu"),
+            kd.FlattenDVI(), kd.DenseDVI(10, regularizer=prior),
+        ])
+        model.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
+        return model, x, y, 64, Count
     (x, y), _ = kd.datasets.load_toy_regression()
     if network == "plain":
         model = keras.Sequential([keras.Input((1,)), Count(), keras.layers.Dense(64, "relu"),
                                   keras.layers.Dense(64, "relu"), keras.layers.Dense(1)])
         model.compile(keras.optimizers.Adam(1e-2), loss="mse")
-    else:
-        prior = kd.EmpiricalBayesRegularizer(num_train=len(x))
-        model = keras.Sequential([
-            keras.Input((1,)), Count(),
-            kd.DenseDiagDVI(64, activation="relu", regularizer=prior),
-            kd.DenseDiagDVI(64, activation="relu", regularizer=prior),
-            kd.DenseDVI(2, regularizer=prior),
-        ])
-        model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
-    batch_size = 50
-if prebuild:
-    model.optimizer.build(model.trainable_variables)
-before = len(traces)
-start = time.perf_counter()
-model.fit(x, y, epochs=2, batch_size=batch_size, verbose=0)
-seconds = time.perf_counter() - start
-weights = np.concatenate([np.ravel(w) for w in model.get_weights()])
-print(json.dumps({"seconds": seconds, "traces": len(traces) - before,
-                  "checksum": hashlib.sha256(weights.tobytes()).hexdigest()}))
-'''
+        return model, x, y, 50, Count
+    prior = kd.EmpiricalBayesRegularizer(num_train=len(x))  # the README's regression network
+    model = keras.Sequential([
+        keras.Input((1,)), Count(),
+        kd.DenseDiagDVI(64, activation="relu", regularizer=prior),
+        kd.DenseDiagDVI(64, activation="relu", regularizer=prior),
+        kd.DenseDVI(2, regularizer=prior),
+    ])
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+    return model, x, y, 50, Count
 
-NETWORKS = ("regression", "cnn", "plain")
+
+def _first_fit(task):
+    """One cell, in a fresh process: `{seconds, traces, checksum}` of the first `fit` (2 epochs)."""
+    network, prebuild = task
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import hashlib
+    import time
+    import warnings
+
+    import numpy as np
+
+    warnings.simplefilter("ignore")
+    model, x, y, batch_size, counter = _model_and_data(network)
+    if prebuild:
+        model.optimizer.build(model.trainable_variables)
+    before = counter.calls
+    start = time.perf_counter()
+    model.fit(x, y, epochs=2, batch_size=batch_size, verbose=0)
+    seconds = time.perf_counter() - start
+    weights = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    return {"seconds": seconds, "traces": counter.calls - before,
+            "checksum": hashlib.sha256(weights.tobytes()).hexdigest()}
 
 
 def run_cell(network, prebuild):
-    out = subprocess.run([sys.executable, "-c", _CELL, network, "1" if prebuild else "0"], capture_output=True,
-                         text=True, check=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # a fresh process: nothing traced before
+        return pool.map(_first_fit, [(network, prebuild)])[0]
 
 
 def main(argv=None):
@@ -103,9 +110,10 @@ def main(argv=None):
                 cells[prebuild].append(run_cell(network, prebuild))
         lazy, built = cells[False], cells[True]
         same = all(a["checksum"] == b["checksum"] for a, b in zip(lazy, built))
-        median = lambda cs: sorted(c["seconds"] for c in cs)[len(cs) // 2]  # noqa: E731
-        rows.append(f"| {network} | {median(lazy):.2f} ({lazy[0]['traces']} traces) | "
-                    f"{median(built):.2f} ({built[0]['traces']} trace) | {'yes' if same else 'NO'} |")
+        seconds = [statistics.median(c["seconds"] for c in runs) for runs in (lazy, built)]
+        traces = ["/".join(str(t) for t in sorted({c["traces"] for c in runs})) for runs in (lazy, built)]
+        rows.append(f"| {network} | {seconds[0]:.2f} (traced {traces[0]}x) | "
+                    f"{seconds[1]:.2f} (traced {traces[1]}x) | {'yes' if same else 'NO'} |")
         print(rows[-1], flush=True)
     table = "\n".join(["| network | first fit, optimizer built by Keras (s) | optimizer built first (s) | same weights |",
                        "|---|---|---|---|"] + rows)
