@@ -2,6 +2,13 @@ import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# One thread for TensorFlow's operations. The suite runs three busy processes on two cores
+# (two pytest-xdist workers and the JAX cross-section) and its models are small: TensorFlow's
+# thread pools spent more CPU time handing tiny operations between threads than they saved (the
+# convolution and layer tests: 229 CPU-seconds with the default pools, 187 with one thread, and
+# less wall time even alone). Subprocesses (the main job, notebooks, distribution runs) inherit it.
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

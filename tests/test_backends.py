@@ -37,7 +37,6 @@ JAX_SUITE = [
     "tests/test_keras_frames.py",
     # dense layers: every moment path end to end, fit, save/load, edge gradients (float64 included)
     "tests/test_layers.py::test_network_gradients_finite_at_edges[float64-relu-paper]",
-    "tests/test_layers.py::test_network_gradients_finite_at_edges[float32-relu-exact]",
     "tests/test_layers.py::test_trains_with_model_fit_on_packed_outputs",
     "tests/test_layers.py::test_saved_model_predicts_the_same",
     "tests/test_saving.py::test_dvi_files_of_0_1_0_predict_the_same_and_resume_their_schedule",
@@ -63,7 +62,6 @@ JAX_SUITE = [
     "tests/test_mcvi.py::test_one_layer_samples_match_the_closed_form",
     # the objective: KL schedule and weight, logs, every kind of model, misuse
     "tests/test_training.py::test_kl_warmup_ramps_by_training_step_and_evaluation_uses_the_full_weight",
-    "tests/test_training.py::test_every_kind_of_model_logs_the_whole_objective_once",
     "tests/test_training.py::test_every_way_of_writing_a_model_trains_the_same",
     "tests/test_training.py::test_an_explicit_training_false_is_respected",
     "tests/test_training.py::test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for[10-6]",
@@ -78,9 +76,9 @@ JAX_SUITE = [
     "tests/test_conv.py::test_max_pool_gradient_matches_finite_differences[overlapping]",
     "tests/test_conv.py::test_max_pair_is_finite_at_the_edges[float64]",
     "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
-    # a converted squeeze-and-excitation block (folded batch normalisation, SiLU / sigmoid / GELU,
-    # MultiplyDVI): the plain network at tiny variances, save / load
-    "tests/test_map_layers.py::test_squeeze_and_excitation_converts_computes_the_plain_network_and_saves[channels_last]",
+    # (converted networks - folded batch normalisation, Add, ReLU, pooling, a softmax head - train
+    # on JAX in test_distribution.py's DataParallel test; their activations' moments are the
+    # backend-independent maths of test_moments.py, whose edge cases run here)
     # TAGI: exactness, the paper's equations, fit / save / load (stateless steps)
     "tests/test_tagi.py::test_linear_layer_update_is_the_exact_posterior",
     "tests/test_tagi.py::test_update_matches_the_papers_equations",

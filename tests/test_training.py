@@ -134,6 +134,7 @@ def test_every_way_of_writing_a_model_trains_the_same():
         model = _model(kind, kd.EmpiricalBayesRegularizer(64))
         model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
         history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+        assert [m.name for m in model.metrics].count("elbo") == 1, kind  # the objective is logged once
         layers = [layer for layer in model.layers if isinstance(layer, kd.layers.BayesianLayer)]
         assert [float(to_numpy(layer.kl_step)) for layer in layers] == [12.0] * 3, kind
         assert [float(to_numpy(layer.kl_warmup_length)) for layer in layers] == [9.0] * 3, kind

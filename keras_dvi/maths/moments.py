@@ -181,14 +181,15 @@ def safe_exp(x, limit=60.0):
     return ops.exp(clipped) + limit_value * ops.maximum(x - limit, 0.0)
 
 
-def _arcsin(x):
+def _arcsin(x, cosine=None):
     """`arcsin` in the dtype of `x`. In float32 and float16, `arctan2(x, sqrt((1 - x)(1 + x)))`
-    (the same function and derivative; TFLite's builtin operations have `atan2`, not `asin`).
-    Keras 3.15's JAX backend computes `ops.arcsin` of a float64 tensor in float32 (its
-    result-type rule promotes to `floatx`), which loses the float64 accuracy near `|x| = 1` and
-    made gradients infinite there; call JAX directly."""
+    (the same function and derivative; TFLite's builtin operations have `atan2`, not `asin`);
+    `cosine`, if given, is that square root already computed. Keras 3.15's JAX backend computes
+    `ops.arcsin` of a float64 tensor in float32 (its result-type rule promotes to `floatx`),
+    which loses the float64 accuracy near `|x| = 1` and made gradients infinite there; call JAX
+    directly."""
     if _portable(x):
-        return ops.arctan2(x, ops.sqrt((1.0 - x) * (1.0 + x)))
+        return ops.arctan2(x, ops.sqrt((1.0 - x) * (1.0 + x)) if cosine is None else cosine)
     if keras.backend.backend() == "jax":
         import jax.numpy as jnp
 
@@ -585,10 +586,12 @@ def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l
     # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)) and
     # c2 = (arcsin(rho) - rho)/(g rho) = (arcsin(rho)/rho - 1)/(rho G): the corrected Table 1
     # (note the minus sign in g and the factor rho in the prefactor).
-    rho2 = ops.square(rho)
-    one_plus_rho_bar = 1.0 + ops.sqrt(1.0 - rho2)
     rho_c = _coefficient_correlation(rho)
-    asinc = _arcsin(rho_c) / rho_c
+    # rho_bar of rho_c (not rho) serves the arcsin too; they differ only where |rho| < 1e-3
+    # (float32), by less than 5e-7, in a term multiplied by rho^2.
+    rho_bar = ops.sqrt((1.0 - rho_c) * (1.0 + rho_c))
+    one_plus_rho_bar = 1.0 + rho_bar
+    asinc = _arcsin(rho_c, rho_bar) / rho_c
     g_over_rho = asinc - 1.0 / one_plus_rho_bar
     c1 = 0.5 / (g_over_rho * one_plus_rho_bar)
     c2 = (asinc - 1.0) / (rho_c * g_over_rho)
@@ -799,10 +802,11 @@ def activation_covariance(mean, covariance, activation, method="paper"):
         activation,
         method,
     )
-    # Replace the diagonal by the exact variances. The result is symmetric whenever
-    # `covariance` is: every formula is evaluated identically for (j, l) and (l, j).
-    off_diagonal = diagonal(off)
-    return mean_h, off + diag_embed(var_h - off_diagonal)
+    # Replace the diagonal by the exact variances (one select, no pass to read the diagonal out).
+    # The result is symmetric whenever `covariance` is: every formula is evaluated identically
+    # for (j, l) and (l, j).
+    on_diagonal = ops.cast(ops.eye(ops.shape(mean)[-1]), "bool")
+    return mean_h, ops.where(on_diagonal, ops.expand_dims(var_h, -1), off)
 
 
 # --------------------------------------------------------------------------------------------
