@@ -605,13 +605,13 @@ def _paper_heaviside_covariance(rho, mu_j, mu_l):
     # Cov = (arcsin(rho) / 2 pi) exp(-(r / (2 rho_bar)) (mu_j^2 + mu_l^2)
     #                                 + (r rho / (rho_bar (1 + rho_bar))) mu_j mu_l),
     # r = rho / arcsin(rho) (even in rho, -> 1 as rho -> 0).
-    rho_bar = ops.sqrt(1.0 - ops.square(rho))
+    rho_bar = ops.sqrt((1.0 - rho) * (1.0 + rho))  # (also the float32 arcsin's, below)
     rho_c = _coefficient_correlation(rho)
     r = rho_c / _arcsin(rho_c)
     exponent = (r / rho_bar) * (
         (rho / (1.0 + rho_bar)) * mu_j * mu_l - 0.5 * (ops.square(mu_j) + ops.square(mu_l))
     )
-    return _arcsin(rho) / _TWO_PI * ops.exp(exponent)
+    return _arcsin(rho, rho_bar) / _TWO_PI * ops.exp(exponent)
 
 
 # Gauss-Legendre rule on [0, 1] for Owen's T; 16 nodes give 1e-16 absolute error (tested
@@ -805,8 +805,7 @@ def activation_covariance(mean, covariance, activation, method="paper"):
     # Replace the diagonal by the exact variances (one select, no pass to read the diagonal out).
     # The result is symmetric whenever `covariance` is: every formula is evaluated identically
     # for (j, l) and (l, j).
-    on_diagonal = ops.cast(ops.eye(ops.shape(mean)[-1]), "bool")
-    return mean_h, ops.where(on_diagonal, ops.expand_dims(var_h, -1), off)
+    return mean_h, ops.where(_diagonal_mask(ops.shape(mean)[-1]), ops.expand_dims(var_h, -1), off)
 
 
 # --------------------------------------------------------------------------------------------
@@ -890,9 +889,12 @@ def diagonal(matrix):
     """The diagonal `(..., K)` of `(..., K, K)` matrices: the sum of each row with its
     off-diagonal entries masked out, exact (TFLite's builtin operations have no op taking a
     diagonal, and `where` keeps an infinite off-diagonal entry out of the sum)."""
-    units = ops.shape(matrix)[-1]
-    keep = ops.cast(ops.eye(units), "bool")
-    return ops.sum(ops.where(keep, matrix, ops.zeros_like(matrix)), axis=-1)
+    return ops.sum(ops.where(_diagonal_mask(ops.shape(matrix)[-1]), matrix, ops.zeros_like(matrix)), axis=-1)
+
+
+def _diagonal_mask(units):
+    """`(units, units)` booleans, true on the diagonal."""
+    return ops.cast(ops.eye(units), "bool")
 
 
 # --------------------------------------------------------------------------------------------
