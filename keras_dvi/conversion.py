@@ -72,10 +72,12 @@ def _function_name(layer):
 
 class _Graph:
     """What `convert` reads of the plain model's graph, through public Keras API only
-    (`model.layers`, `layer.input`, `layer.output`): each layer's producers and readers."""
+    (`model.operations`, `layer.input`, `layer.output`): each layer's producers and readers.
+    Its `layers` include the operations on tensors (`x + 3.0`, `keras.ops` calls)."""
 
     def __init__(self, model, outputs=None):
-        self.layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+        nodes = getattr(model, "operations", model.layers)  # (a Sequential has layers only)
+        self.layers = [node for node in nodes if not isinstance(node, keras.layers.InputLayer)]
         for layer in self.layers:
             if isinstance(layer, keras.Model):
                 raise ValueError(f"keras_dvi.convert: layer {layer.name!r} is a nested model; convert a model "
@@ -198,9 +200,86 @@ def _vectors(graph):
         if isinstance(layer, tuple(_CONV)):
             if all(int(k) == 1 for k in layer.kernel_size) and getattr(layer, "groups", 1) == 1:
                 vectors.add(id(layer))
-        elif isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten, *_INFERENCE_IDENTITY, *_ACTIVATION_LAYERS)):
+        elif _is_operation(layer) or isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten,
+                                                         *_INFERENCE_IDENTITY, *_ACTIVATION_LAYERS)):
             vectors.add(id(layer))
     return vectors
+
+
+def _is_operation(node):
+    """Whether a node of the graph is an operation on tensors (`x + 3.0`, `x * (1 / 6)`, a
+    `keras.ops` call) rather than a layer."""
+    return not isinstance(node, keras.layers.Layer)
+
+
+def _operation_refused(operation):
+    """The `ValueError` of an operation on tensors that `convert` cannot carry."""
+    return ValueError(
+        f"keras_dvi.convert: operation {operation.name!r} (keras.ops {type(operation).__name__}: an operator or "
+        "keras.ops call on a tensor, such as `x + 3.0`, not a layer) has no keras-dvi counterpart. Operations "
+        "convert only as a chain (with activation layers) that a Dense, convolution, max pooling or Add feeds "
+        f"alone and that computes one of the activations {_SUPPORTED} elementwise, such as MobileNetV3's hard "
+        "sigmoid `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`; that activation then folds into the layer. To keep the "
+        "layers up to it plain, convert only the layers after it (`last_layers=k`).")
+
+
+def _elementwise_activation(start, end):
+    """The supported activation that the part of the model from tensor `start` to tensor `end`
+    computes elementwise, or `None`. Identified numerically, through public API only (the
+    part as a `keras.Model`): on a tensor whose entries cover -8 to 8 (every kink of the
+    supported activations) in a fixed shuffle, the part must agree with one activation entry
+    by entry, to float32 round-off."""
+    try:
+        part = keras.Model(start, end)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    grid = np.concatenate([np.linspace(-8.0, 8.0, 161), [-3.0, 0.0, 3.0, 6.0]])
+    per_row = int(np.prod([1 if d is None else int(d) for d in start.shape[1:]]))
+    rows = -(-len(grid) // per_row) + 1
+    x = np.resize(np.random.default_rng(0).permutation(grid), rows * per_row)
+    x = x.reshape((rows, *[1 if d is None else int(d) for d in start.shape[1:]])).astype(start.dtype)
+    try:
+        y = keras.ops.convert_to_numpy(part(x)).astype("float64")
+    except Exception:  # noqa: BLE001 (a part that does not run on this tensor computes no activation)
+        return None
+    if y.shape != x.shape:
+        return None
+    for name in moments.ACTIVATIONS:
+        expected = keras.ops.convert_to_numpy(moments.get_activation(name).apply(keras.ops.convert_to_tensor(x)))
+        if np.allclose(y, expected, rtol=1e-5, atol=1e-5):
+            return name
+    return None
+
+
+def _operation_activations(graph, plain):
+    """`{id(layer): (activation, chain)}`: a layer (a linear `Dense` or convolution, a max
+    pooling or an `Add`) read only by a chain of operations on tensors and activation layers,
+    each the only reader of the one before, that computes a supported activation elementwise:
+    MobileNetV3's hard sigmoid gates, `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`. The activation folds
+    into the layer; the chain becomes identities. The longest such chain that contains an
+    operation counts (chains of layers alone fold one by one in `_plan`)."""
+    found = {}
+    for layer in graph.layers:
+        if id(layer) in plain or not (
+                _is_weight_layer(layer) and _activation_of(layer) == "linear"
+                or isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.Add))):
+            continue
+        chain, node = [], layer
+        while True:
+            reader = graph.only_reader(node)
+            if (reader is None or len(graph.producers[id(reader)]) != 1
+                    or not (_is_operation(reader) or isinstance(reader, _ACTIVATION_LAYERS))):
+                break
+            chain.append(reader)
+            node = reader
+        for end in range(len(chain), 0, -1):
+            if not any(_is_operation(node) for node in chain[:end]):
+                break
+            name = _elementwise_activation(layer.output, chain[end - 1].output)
+            if name is not None:
+                found[id(layer)] = (name, chain[:end])
+                break
+    return found
 
 
 def _plan(graph):
@@ -219,8 +298,11 @@ def _plan(graph):
             started.add(id(layer))
         else:
             plain.add(id(layer))
+    for key, (name, chain) in _operation_activations(graph, plain).items():
+        activation[key] = name
+        identity |= {id(node) for node in chain}
     for layer in graph.layers:
-        if id(layer) in plain:
+        if id(layer) in plain or id(layer) in identity:
             continue
         if _is_weight_layer(layer) or isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
                                                          keras.layers.Add)):
@@ -243,6 +325,8 @@ def _plan(graph):
                     and len(layer.input.shape) >= 3 and id(layer) not in vectors):
                 activation[id(layer)] = name  # an ActivationDVI: its input has other readers
                 continue
+            if not foldable and producer is not None and _is_operation(producer):
+                raise _operation_refused(producer)
             if not foldable:
                 raise ValueError(
                     f"keras_dvi.convert: BatchNormalization {layer.name!r} can be folded only into a linear Dense "
@@ -360,6 +444,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
     | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
+    | operations on tensors after a layer that feeds them alone, computing a supported activation elementwise (MobileNetV3's hard sigmoid `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`) | folded into that layer |
     | the same on a feature map that other layers also read | `ActivationDVI` |
     | `GlobalAveragePooling2D`, then 1x1 `Conv2D`, `Reshape` (a channel-vector head or gate) | `GlobalAveragePooling2DDVI`, `Dense*DVI`, identities |
     | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
@@ -369,7 +454,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
 
     A ReLU on a convolution that feeds a max pooling moves to the pooling layer, the same
     function in the form whose moments are accurate. Layers without weights before the first
-    layer with weights (`Rescaling`, `Normalization`, `Reshape`, ...) stay as they are. Anything
+    layer with weights (`Rescaling`, `Normalization`, `Reshape`, operations such as `x / 255.0`,
+    ...) stay as they are. Anything
     else is refused with an error that names the layer.
 
     **Only the last layers** (`last_layers=k`): the last `k` `Dense` or convolution layers
@@ -496,16 +582,15 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 raise ValueError(f"keras_dvi.convert: Add {layer.name!r} must add two feature maps (keras_dvi.AddDVI).")
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
+        elif _is_operation(layer):
+            raise _operation_refused(layer)
         else:
-            what = (f"layer {layer.name!r} ({type(layer).__name__})" if isinstance(layer, keras.layers.Layer) else
-                    f"operation {layer.name!r} (keras.ops {type(layer).__name__}: an operator or keras.ops call on a "
-                    "tensor, such as `x + 3.0`, not a layer)")
             raise ValueError(
-                f"keras_dvi.convert: {what} has no keras-dvi counterpart. "
+                f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
                 "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Multiply "
                 "(squeeze-and-excitation), Concatenate "
                 "(channels), ZeroPadding, Cropping, batch normalisation (folded or on feature maps), folded "
-                "activations, inference-time no-ops (Dropout), and layers without weights before the first "
+                "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")
         return converted
@@ -539,8 +624,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     else:
 
         def call(layer, *args, **kwargs):
-            if id(layer) in dropped:
-                return args[0]
+            if id(layer) in dropped:  # (an operation such as `x * (1.0 / 6.0)` or `3.0 + x`: its tensor)
+                return next(a for a in keras.tree.flatten(args) if isinstance(a, keras.KerasTensor))
             kwargs.pop("mask", None)  # (Keras records it for the plain layers that take one)
             if isinstance(layer, tuple):  # a separable convolution: depthwise, then pointwise
                 return layer[1](layer[0](*args, **kwargs))
@@ -549,17 +634,18 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         converted = keras.models.clone_model(model, clone_function=clone, call_function=call)
     stacked = [layer for layer in converted.layers
                if isinstance(layer, dvi.DepthwiseConv2DDVI) and _unbounded(layer.activation)]
-    if len(stacked) > 1:  # measured on EfficientNets: the guide's "The whole network against Monte Carlo"
+    if len(stacked) > 1:  # measured: the guide's "The whole network against Monte Carlo"
         activations = ", ".join(sorted({layer.activation for layer in stacked}))
         warnings.warn(
             f"keras_dvi.convert: {len(stacked)} depthwise convolutions (first {stacked[0].name!r}) apply an "
-            f"unbounded activation ({activations}), block after block. On such networks, EfficientNets, the "
-            "moments fall far short of Monte Carlo over the weights: a converted EfficientNetB0 (default "
-            "variances, 32x32) had output variances 0.01-0.10 of Monte Carlo's, its SiLU blocks each losing "
-            "about 8% (the same network agrees within 1.04-1.39 with ReLU6, MobileNetV2's bounded activation, "
-            "and its squeeze-and-excitation gates change it little). Its means and, at tiny variances, its "
-            "function are right. Check the spread with keras_dvi.predict_samples, or convert with "
-            "last_layers=k to make only the head Bayesian.",
+            f"unbounded activation ({activations}), block after block. On such networks, EfficientNets and "
+            "MobileNetV3s, the moments stray far from Monte Carlo over the weights: a converted EfficientNetB0 "
+            "(default variances, 32x32) had output variances 0.01-0.10 of Monte Carlo's, its SiLU blocks each "
+            "losing about 8%; MobileNetV3Small 0.05-2.2 and MobileNetV3Large 0.19-0.82 (the same with its ReLU "
+            "blocks alone, no gates or hard SiLU). Built alike with ReLU6, MobileNetV2's bounded activation, "
+            "they agree within 0.7-1.7. The means and, at tiny variances, the function are right. Check the "
+            "spread with keras_dvi.predict_samples, or convert with last_layers=k to make only the head "
+            "Bayesian.",
             stacklevel=2)
     for layer, copy in kept:
         if layer.weights:

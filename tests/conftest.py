@@ -26,6 +26,32 @@ def _seed_and_floatx():
     keras.config.set_dtype_policy(previous_policy)
 
 
+@pytest.fixture(autouse=True)
+def _optimizer_built_before_fit(request, monkeypatch):
+    """On TensorFlow, builds a compiled model's optimizer before `fit` traces the training step.
+
+    Keras 3 builds the optimizer inside the first trace of the training step, and TensorFlow
+    traces a function again when its first trace created variables: every first `fit` traces
+    the step twice (the test suite is trace-bound: about 1 ms of Python per graph operation).
+    Building the optimizer first is what Keras itself does under a distribution strategy and
+    on JAX; the optimizer's variables and the training are the same. Tests of what a user's
+    first `fit` does (warnings issued once, the step count, the objective logged) opt out with
+    `@pytest.mark.keras_lazy_optimizer` where it matters, and
+    `test_training.py::test_a_first_fit_that_builds_the_optimizer_in_its_trace_trains_the_same`
+    checks that both ways give the same `History`."""
+    if keras.backend.backend() != "tensorflow" or request.node.get_closest_marker("keras_lazy_optimizer"):
+        return
+    fit = keras.Model.fit
+
+    def fit_with_built_optimizer(self, *args, **kwargs):
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not optimizer.built and self.built and self.trainable_variables:
+            optimizer.build(self.trainable_variables)
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "fit", fit_with_built_optimizer)
+
+
 @pytest.fixture(params=["float32", "float64"])
 def floatx(request):
     """Runs a test in float32 and float64 (default float and layer dtype policy)."""
@@ -59,6 +85,9 @@ def pytest_configure(config):
         "markers", "tensorflow_only: uses a TensorFlow-only feature (skipped on other backends)"
     )
     config.addinivalue_line("markers", "heavy: long-running (left out of the JAX backend run)")
+    config.addinivalue_line(
+        "markers", "keras_lazy_optimizer: `fit` builds the optimizer in its first trace, as Keras does by itself"
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after `-k` / `-m` deselection

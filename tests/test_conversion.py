@@ -153,6 +153,9 @@ APPLICATIONS = {
                   {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "GlobalAveragePooling2DDVI", "DenseDiagDVI"}),
     # separable convolutions (depthwise, then pointwise), ReLUs on maps other layers also read
     "Xception": (keras.applications.Xception, 71, {"DepthwiseConv2DDVI", "ActivationDVI", "AddDVI"}),
+    # hard SiLU, gates whose hard sigmoid is written with operations (`ReLU(6.0)(x + 3.0) * (1 / 6)`)
+    "MobileNetV3Small": (keras.applications.MobileNetV3Small, 32, {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI",
+                                                                   "MultiplyDVI", "DenseDiagDVI"}),
     # SiLU everywhere, squeeze-and-excitation gates (1x1 convs as dense layers, a sigmoid, Multiply)
     "EfficientNetB0": (keras.applications.EfficientNetB0, 32, {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI",
                                                                "MultiplyDVI", "DenseDiagDVI"}),
@@ -173,9 +176,11 @@ def test_keras_applications_compute_the_plain_function(family):
     converted = kd.convert(plain, **TINY)
     kinds = {type(layer).__name__ for layer in converted.layers}
     assert needs <= kinds and not any("BatchNormalization" == kind for kind in kinds), kinds
-    if family in ("MobileNetV2", "EfficientNetB0"):  # ReLU(6.0) folds in as relu6; swish as silu
+    if family in ("MobileNetV2", "MobileNetV3Small", "EfficientNetB0"):  # ReLU(6.0) folds in as relu6, swish as silu
         activations = {getattr(layer, "activation", None) for layer in converted.layers}
-        assert {"MobileNetV2": "relu6", "EfficientNetB0": "silu"}[family] in activations, activations
+        expected = {"MobileNetV2": {"relu6"}, "MobileNetV3Small": {"hard_silu", "hard_sigmoid"},
+                    "EfficientNetB0": {"silu"}}[family]
+        assert expected <= activations, activations
     mean, _ = kd.unpack(converted(x))
     probabilities = to_numpy(keras.ops.softmax(mean))
     np.testing.assert_allclose(probabilities, to_numpy(plain(x, training=False)), atol=2e-5)
@@ -348,6 +353,54 @@ def test_last_layers_misuse_is_refused():
     skip = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Add()([keras.layers.Dense(4)(h), inputs])))
     with pytest.raises(ValueError, match="skip connection"):
         kd.convert(skip, last_layers=2)
+
+
+def _gated_network(gate):
+    """A squeeze-and-excitation block whose gate is `gate(x)` of the gate convolution's output
+    (MobileNetV3's is `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`), under a small classifier; the input
+    scaled by an operation (plain preprocessing)."""
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs / 2.0)
+    g = keras.layers.GlobalAveragePooling2D(keepdims=True)(h)
+    g = keras.layers.Conv2D(2, 1, activation="relu")(g)
+    g = gate(keras.layers.Conv2D(4, 1, name="gate_conv")(g))
+    h = keras.layers.Multiply()([h, g])
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+
+
+@pytest.mark.parametrize("gate, activation", [
+    (lambda x: keras.layers.ReLU(6.0)(x + 3.0) * (1.0 / 6.0), "hard_sigmoid"),  # MobileNetV3's
+    (lambda x: keras.ops.divide(keras.layers.ReLU(6.0)(3.0 + x), 6.0), "hard_sigmoid"),  # scalar first, a divide
+    (lambda x: keras.ops.sigmoid(x), "sigmoid"),  # a keras.ops call
+    (lambda x: keras.layers.Activation("relu")(x * 1.0), "relu"),  # an operation, then an activation layer
+])
+def test_operations_that_compute_an_activation_fold_into_the_layer_before_them(gate, activation):
+    """A chain of operations on tensors (and activation layers) after a layer that computes a
+    supported activation elementwise becomes that layer's activation; the converted model
+    computes the plain function at tiny variances."""
+    keras.utils.set_random_seed(3)
+    plain = _gated_network(gate)
+    converted = kd.convert(plain, **TINY)
+    gate_layer = next(layer for layer in converted.layers if layer.name == "gate_conv")
+    assert isinstance(gate_layer, kd.DenseDiagDVI) and gate_layer.activation == activation
+    assert "MultiplyDVI" in {type(layer).__name__ for layer in converted.layers}
+    x = _images(rows=3, size=8, channels=3)
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x)), atol=1e-6)
+
+
+def test_operations_that_compute_no_supported_activation_are_refused_by_name():
+    for gate in (lambda x: x * 2.0,  # affine, no activation
+                 lambda x: keras.layers.ReLU(6.0)(x + 3.0),  # relu6(x + 3): a shifted ReLU6
+                 lambda x: keras.ops.tanh(x)):
+        with pytest.raises(ValueError, match="operation '.*' \\(keras.ops [A-Za-z]+: an operator or keras.ops call"):
+            kd.convert(_gated_network(gate))
+    # a gate computed from the feature map itself, not from its layer alone, is no activation
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    with pytest.raises(ValueError, match="operation"):
+        kd.convert(keras.Model(inputs, keras.layers.Flatten()(h - keras.ops.mean(h, axis=-1, keepdims=True))))
 
 
 def test_what_cannot_be_converted_is_refused_by_name():

@@ -298,7 +298,7 @@ def test_convert_warns_of_unbounded_activations_on_stacked_depthwise_convolution
         quiet.append(network(2))
     else:
         with pytest.warns(UserWarning, match=f"2 depthwise convolutions .*unbounded activation \\({name}\\).*"
-                                             "short of Monte Carlo.*predict_samples.*last_layers"):
+                                             "stray far from Monte Carlo.*predict_samples.*last_layers"):
             kd.convert(network(2))
     for plain in quiet:
         with warnings.catch_warnings():

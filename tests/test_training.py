@@ -102,9 +102,35 @@ def test_kl_weight_tempers_the_kl_term():
     np.testing.assert_allclose(model.evaluate(x, y, verbose=0, return_dict=True)["loss"], nll + 0.25 * kl, rtol=1e-5)
 
 
+@pytest.mark.keras_lazy_optimizer
+@pytest.mark.parametrize("kind", ["sequential", "subclassed"])
+def test_a_first_fit_that_builds_the_optimizer_in_its_trace_trains_the_same(kind):
+    """The tests build a compiled model's optimizer before `fit` on TensorFlow (conftest:
+    Keras otherwise builds it in the first trace of the step, and TensorFlow traces that step
+    again). A user's `fit`, which does not, gives the same logs and weights."""
+    x, y = _data(seed=5)
+    runs = []
+    for prebuild in (False, True):
+        keras.utils.set_random_seed(7)
+        model = _model(kind, kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=3))
+        model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+        if prebuild:
+            model.optimizer.build(model.trainable_variables)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        runs.append((history, [to_numpy(v) for v in model.weights]))
+    (lazy, lazy_weights), (built, built_weights) = runs
+    assert sorted(lazy) == sorted(built) == ["kl", "loss", "nll"]
+    for key in lazy:
+        np.testing.assert_allclose(lazy[key], built[key], rtol=1e-6)
+    for a, b in zip(lazy_weights, built_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(to_numpy(model.optimizer.iterations)) == 8.0
+
+
 KINDS = ("sequential", "functional", "subclassed", "subclassed_plain", "subclassed_forgetful")
 
 
+@pytest.mark.keras_lazy_optimizer
 def test_every_kind_of_model_logs_the_whole_objective_once():
     x, y = _data(seed=2)
     logs = {}
@@ -187,6 +213,7 @@ def test_the_auto_warm_up_length_for_runs_of_any_length():
     assert auto_kl_warmup_steps(None) == 3000  # a run of unknown length
 
 
+@pytest.mark.keras_lazy_optimizer
 def test_the_auto_warm_up_is_planned_once_and_without_a_known_length_is_3000_steps(tmp_path):
     x, y = _data(seed=10)
 
@@ -300,6 +327,7 @@ def test_a_classifier_with_the_defaults_does_not_collapse_to_the_prior(settings,
         assert accuracy > 0.85
 
 
+@pytest.mark.keras_lazy_optimizer
 def test_training_without_a_prior_warns_once_per_layer():
     x, y = _data(seed=6)
     model = keras.Sequential([keras.Input((2,)), kd.DenseDVI(4, "relu"),
@@ -451,6 +479,7 @@ def _custom_mse(y_true, y_pred):  # a custom loss that does not read the moments
     return keras.ops.mean(keras.ops.square(keras.ops.reshape(y_true, (-1, 1, 1)) - y_pred), axis=(1, 2))
 
 
+@pytest.mark.keras_lazy_optimizer
 @pytest.mark.parametrize("run_eagerly", [False, True])
 def test_a_custom_loss_that_scores_no_keras_dvi_loss_warns_once(run_eagerly):
     """A loss that is not keras-dvi's reads the packed tensor as a prediction (it once logged
