@@ -33,6 +33,19 @@ _RESHAPING = {
 _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
                        keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
                        keras.layers.ActivityRegularization, keras.layers.Identity)
+#: Layers with no accurate Gaussian moment rule, and why: `convert` refuses them with the reason.
+_NO_GAUSSIAN_RULE = {
+    keras.layers.LayerNormalization: "it divides each unit by a statistic of the layer's own random input",
+    keras.layers.GroupNormalization: "it divides each unit by a statistic of the layer's own random input",
+    keras.layers.UnitNormalization: "it divides each unit by a statistic of the layer's own random input",
+    keras.layers.MultiHeadAttention: "it multiplies random features by a softmax of products of random features",
+    keras.layers.Attention: "it multiplies random features by a softmax of products of random features",
+    keras.layers.AdditiveAttention: "it multiplies random features by a softmax of sums of random features",
+    keras.layers.RNN: "it feeds its random state back through nonlinear gates at every step",
+    keras.layers.LSTM: "it feeds its random state back through nonlinear gates at every step",
+    keras.layers.GRU: "it feeds its random state back through nonlinear gates at every step",
+    keras.layers.SimpleRNN: "it feeds its random state back through a nonlinearity at every step",
+}
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
 #: The activations `convert` carries, for messages.
 _SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'hard_silu' / 'hard_swish', 'hard_sigmoid', "
@@ -80,9 +93,10 @@ class _Graph:
         self.layers = [node for node in nodes if not isinstance(node, keras.layers.InputLayer)]
         for layer in self.layers:
             if isinstance(layer, keras.Model):
-                raise ValueError(f"keras_dvi.convert: layer {layer.name!r} is a nested model; convert a model "
-                                 "whose layers are Keras layers (flatten the nested model into it first), or "
-                                 "keep it plain and convert only the layers after it (`last_layers=k`).")
+                raise ValueError(f"keras_dvi.convert: layer {layer.name!r} is a nested subclassed model, which has "
+                                 "no graph of layers to convert (nested Sequential and functional models are "
+                                 "converted layer by layer); keep it plain and convert only the layers after it "
+                                 "(`last_layers=k`).")
         producer_of = {}
         for layer in self.layers:
             for tensor in keras.tree.flatten(layer.output):
@@ -99,6 +113,59 @@ class _Graph:
     def only_reader(self, layer):
         readers = self.readers[id(layer)]
         return readers[0] if len(readers) == 1 and id(layer) not in self.outputs else None
+
+
+def _inlinable(layer):
+    """Whether a layer is a nested `Sequential` or functional model (a graph of layers)."""
+    return isinstance(layer, keras.Sequential) or isinstance(layer, keras.Model) and hasattr(layer, "operations")
+
+
+def _inlined(model):
+    """`model` with its nested models inlined, at any depth: a functional model on copies of
+    all their layers and of the model's own, with their weights (a backbone under a head,
+    `keras.Sequential([keras.applications.ResNet50(include_top=False, pooling="avg"),
+    Dense(10)])`, becomes one graph of layers); `model` itself when it nests none. Nested
+    `Sequential` models are read anywhere, nested functional models where the model's input
+    feeds them (elsewhere Keras would build their copy on copies of the tensor, outside this
+    graph: refused); nested subclassed models stay (`_Graph` refuses them)."""
+    if not any(_inlinable(layer) for layer in model.layers):
+        return model
+    copies = []  # (layer, its copy): the weights are copied once the copies are built
+
+    def copy(layer):
+        if _inlinable(layer) or _is_operation(layer):
+            return layer  # (inlined when called; an operation such as `x + 3.0` is stateless)
+        duplicate = layer.__class__.from_config(layer.get_config())
+        copies.append((layer, duplicate))
+        return duplicate
+
+    def call(layer, *args, **kwargs):
+        if not _inlinable(layer):
+            return layer(*args, **kwargs)
+        if isinstance(layer, keras.Sequential):
+            tensor = args[0]
+            for inner in layer.layers:
+                tensor = call(copy(inner), tensor)
+            return tensor
+        inner = keras.models.clone_model(layer, input_tensors=args[0], clone_function=copy, call_function=call)
+        if any(a is not b for a, b in zip(keras.tree.flatten(inner.inputs), keras.tree.flatten(args[0]))):
+            # (Keras built the copy on copies of an intermediate tensor: its layers are not in this graph)
+            raise ValueError(
+                f"keras_dvi.convert: the nested functional model {layer.name!r} is called on an intermediate tensor; "
+                "convert reads nested Sequential models anywhere and nested functional models where the model's "
+                "input feeds them (a backbone under a head). Build the model from the nested model's layers, or "
+                "convert only the layers after it (`last_layers=k`).")
+        return inner.outputs[0] if len(inner.outputs) == 1 else inner.outputs
+
+    if isinstance(model, keras.Sequential):
+        inputs = keras.Input(batch_shape=tuple(model.inputs[0].shape))
+        flat = keras.Model(inputs, call(model, inputs), name=model.name)
+    else:
+        flat = keras.models.clone_model(model, clone_function=copy, call_function=call)
+    for layer, duplicate in copies:
+        if layer.weights:
+            duplicate.set_weights(layer.get_weights())
+    return flat
 
 
 def _through_identities(graph, layer, identity):
@@ -450,12 +517,14 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
     | any other `BatchNormalization` on a feature map's channels | `BatchNormalizationDVI` (inference statistics, fixed) |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
+    | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
 
     A ReLU on a convolution that feeds a max pooling moves to the pooling layer, the same
     function in the form whose moments are accurate. Layers without weights before the first
     layer with weights (`Rescaling`, `Normalization`, `Reshape`, operations such as `x / 255.0`,
-    ...) stay as they are. Anything
+    ...) stay as they are. Layer normalisation, attention and recurrent layers have no accurate
+    Gaussian rule and are refused with the reason. Anything
     else is refused with an error that names the layer.
 
     **Only the last layers** (`last_layers=k`): the last `k` `Dense` or convolution layers
@@ -503,7 +572,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     if hidden_covariance not in ("diagonal", "full"):
         raise ValueError(f"Argument `hidden_covariance` must be 'diagonal' or 'full'; received {hidden_covariance!r}.")
     try:
-        graph = _Graph(model) if last_layers is None else _Graph(_head(model, last_layers), model.outputs)
+        source = _inlined(model) if last_layers is None else model  # (the head's nested models stay plain)
+        graph = _Graph(source) if last_layers is None else _Graph(_head(model, last_layers), model.outputs)
     except (AttributeError, ValueError) as error:
         if "keras_dvi.convert" in str(error) or "last_layers" in str(error):
             raise
@@ -584,6 +654,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                    name=layer.name)
         elif _is_operation(layer):
             raise _operation_refused(layer)
+        elif isinstance(layer, tuple(_NO_GAUSSIAN_RULE)):
+            reason = next(why for kind, why in _NO_GAUSSIAN_RULE.items() if isinstance(layer, kind))
+            raise ValueError(
+                f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no accurate Gaussian moment "
+                f"rule ({reason}), so keras-dvi does not propagate moments through it. To keep the layers up to it "
+                "plain and make the layers after it Bayesian, convert with `last_layers=k`.")
         else:
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
@@ -617,10 +693,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted.set_posterior(kernel, converted.kernel_variance, bias)
         return converted
 
-    if isinstance(model, keras.Sequential):
-        clones = [part for layer in model.layers for part in keras.tree.flatten(clone(layer))]
-        converted = keras.Sequential([keras.Input(batch_shape=tuple(model.inputs[0].shape))]
-                                     + [c for c in clones if id(c) not in dropped], name=model.name)
+    if isinstance(source, keras.Sequential):
+        clones = [part for layer in source.layers for part in keras.tree.flatten(clone(layer))]
+        converted = keras.Sequential([keras.Input(batch_shape=tuple(source.inputs[0].shape))]
+                                     + [c for c in clones if id(c) not in dropped], name=source.name)
     else:
 
         def call(layer, *args, **kwargs):
@@ -631,7 +707,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 return layer[1](layer[0](*args, **kwargs))
             return layer(*args, **kwargs)
 
-        converted = keras.models.clone_model(model, clone_function=clone, call_function=call)
+        converted = keras.models.clone_model(source, clone_function=clone, call_function=call)
     stacked = [layer for layer in converted.layers
                if isinstance(layer, dvi.DepthwiseConv2DDVI) and _unbounded(layer.activation)]
     if len(stacked) > 1:  # measured: the guide's "The whole network against Monte Carlo"
@@ -640,10 +716,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             f"keras_dvi.convert: {len(stacked)} depthwise convolutions (first {stacked[0].name!r}) apply an "
             f"unbounded activation ({activations}), block after block. On such networks, EfficientNets and "
             "MobileNetV3s, the moments stray far from Monte Carlo over the weights: a converted EfficientNetB0 "
-            "(default variances, 32x32) had output variances 0.01-0.10 of Monte Carlo's, its SiLU blocks each "
+            "(default variances, 32x32) had output variances 0.01-0.42 of Monte Carlo's, its SiLU blocks each "
             "losing about 8%; MobileNetV3Small 0.05-2.2 and MobileNetV3Large 0.19-0.82 (the same with its ReLU "
             "blocks alone, no gates or hard SiLU). Built alike with ReLU6, MobileNetV2's bounded activation, "
-            "they agree within 0.7-1.7. The means and, at tiny variances, the function are right. Check the "
+            "agrees within 0.74-1.32. The means and, at tiny variances, the function are right. Check the "
             "spread with keras_dvi.predict_samples, or convert with last_layers=k to make only the head "
             "Bayesian.",
             stacklevel=2)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import keras_dvi as kd
+from benchmarks.experiments.converted_against_monte_carlo import (NETWORKS, agreement, calibrate_batch_norm,
+                                                                  moments_and_samples, randomise_batch_norm)
 from tests.conftest import plain_outputs, to_numpy
 
 TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
@@ -17,20 +19,6 @@ TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
 
 def _images(rows=6, size=10, channels=1, seed=0):
     return np.random.default_rng(seed).uniform(size=(rows, size, size, channels)).astype("float32")
-
-
-def _randomise_batch_norm(model, seed=0):
-    """Inference statistics and scales far from their initial values, so folding them matters."""
-    rng = np.random.default_rng(seed)
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.BatchNormalization):
-            n = int(layer.moving_mean.shape[0])
-            if layer.gamma is not None:  # (scale=False: none)
-                layer.gamma.assign(rng.uniform(0.5, 2.0, n))
-            if layer.beta is not None:
-                layer.beta.assign(rng.normal(size=n))
-            layer.moving_mean.assign(rng.normal(size=n))
-            layer.moving_variance.assign(rng.uniform(0.5, 2.0, n))
 
 
 def _residual_cnn(data_format="channels_last"):
@@ -70,7 +58,7 @@ def test_functional_cnn_computes_the_plain_function(data_format):
     flatten, dropout (removed), dense layers and the output softmax (removed: logits); the
     preprocessing `Rescaling` stays plain."""
     plain = _residual_cnn(data_format)
-    _randomise_batch_norm(plain)
+    randomise_batch_norm(plain)
     x = _images()
     if data_format == "channels_first":
         x = np.moveaxis(x, -1, 1)
@@ -171,7 +159,7 @@ def test_keras_applications_compute_the_plain_function(family):
     build, size, needs = APPLICATIONS[family]
     keras.utils.set_random_seed(0)
     plain = build(weights=None, input_shape=(size, size, 3), classes=5)
-    _randomise_batch_norm(plain)
+    randomise_batch_norm(plain)
     x = _images(rows=2, size=size, channels=3)
     converted = kd.convert(plain, **TINY)
     kinds = {type(layer).__name__ for layer in converted.layers}
@@ -187,43 +175,6 @@ def test_keras_applications_compute_the_plain_function(family):
     np.testing.assert_allclose(to_numpy(mean), _logits(plain, x), rtol=1e-3, atol=1e-3 * np.abs(_logits(plain, x)).max())
 
 
-def _map_and_logit_moments_and_samples(plain, x, draws, seed):
-    """The converted network's moments (default variances) and its Monte Carlo draws over the
-    weights, for the feature map its global pooling reads and for its logits."""
-    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=50000))
-    pooling = [layer for layer in converted.layers if isinstance(layer, kd.GlobalAveragePooling2DDVI)][-1]
-    both = keras.Model(converted.inputs, [pooling.input, converted.outputs[0]])
-    packed_map, packed_logits = both(x)
-    map_mean, map_variance = (to_numpy(t) for t in kd.unpack(packed_map))
-    logit_mean, logit_variance = (to_numpy(t) for t in kd.unpack(packed_logits, covariance="diagonal"))
-    map_samples, logit_samples = kd.predict_samples(both, x, draws, seed=seed)
-    return ((map_mean, map_variance, map_samples), (logit_mean, logit_variance, logit_samples))
-
-
-def _agreement(mean, variance, samples):
-    """Per unit: the moments' variance over the Monte Carlo variance, and the mean's error in
-    Monte Carlo standard deviations, over the units the draws move (a dead ReLU unit has none)."""
-    samples = samples.astype("float64")
-    mc_mean, mc_variance = samples.mean(1), samples.var(1)
-    moving = mc_variance > 1e-3 * np.median(mc_variance[mc_variance > 0])
-    ratio = variance.reshape(mc_variance.shape)[moving] / mc_variance[moving]
-    error = np.abs(mean.reshape(mc_mean.shape) - mc_mean)[moving] / np.sqrt(mc_variance[moving])
-    return ratio, error
-
-
-def _calibrate_batch_norm(model, x):
-    """Sets every `BatchNormalization`'s inference statistics to those of the batch `x` (its
-    scale and shift as they are): a normalised network, as after training, where random weights
-    and randomised statistics let the activations grow or vanish with depth."""
-    layers = [layer for layer in model.layers if isinstance(layer, keras.layers.BatchNormalization)]
-    momenta = [layer.momentum for layer in layers]
-    for layer in layers:
-        layer.momentum = 0.0
-    model(x, training=True)
-    for layer, momentum in zip(layers, momenta):
-        layer.momentum = momentum
-
-
 @pytest.mark.heavy
 @pytest.mark.parametrize("family", ["resnet20", "MobileNetV2"])
 def test_converted_networks_match_monte_carlo_end_to_end_at_the_default_variances(family):
@@ -236,24 +187,20 @@ def test_converted_networks_match_monte_carlo_end_to_end_at_the_default_variance
     the median over the last feature map's units 0.70-0.71 (ResNet-20: the Gaussian and
     one-factor-per-channel approximations compound over 19 convolutions) and 1.03-1.05
     (MobileNetV2, whose last map is 1x1). Dropping the shared component, or scaling every
-    activation's variance by 0.8 or 1.25, takes both networks out of these bands."""
-    from benchmarks.conv_speed import resnet20
-
+    activation's variance by 0.8 or 1.25, takes both networks out of these bands.
+    `benchmarks/experiments/converted_against_monte_carlo.py` measures the other families."""
     keras.utils.set_random_seed(0)
-    if family == "resnet20":
-        plain = resnet20()
-    else:
-        plain = keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=(32, 32, 3), classes=5)
-    _randomise_batch_norm(plain)
-    _calibrate_batch_norm(plain, _images(rows=32, size=32, channels=3, seed=9))
+    plain = NETWORKS[family]()
+    randomise_batch_norm(plain)
+    calibrate_batch_norm(plain, _images(rows=32, size=32, channels=3, seed=9))
     x = _images(rows=2, size=32, channels=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the functional model's input structure notice)
-        feature_map, logits = _map_and_logit_moments_and_samples(plain, x, draws=300, seed=0)
-    ratio, error = _agreement(*logits)
+        feature_map, logits = moments_and_samples(plain, x, draws=300, seed=0)
+    ratio, error = agreement(*logits)
     assert 0.5 < ratio.min() and ratio.max() < 1.8 and 0.7 < np.median(ratio) < 1.25, ratio
     assert error.max() < 0.6, error
-    ratio, error = _agreement(*feature_map)
+    ratio, error = agreement(*feature_map)
     low, high = {"resnet20": (0.6, 1.25), "MobileNetV2": (0.9, 1.15)}[family]  # (median of the last map)
     assert low < np.median(ratio) < high and np.quantile(ratio, 0.1) > 0.3, np.quantile(ratio, [0.1, 0.5, 0.9])
     assert np.median(error) < 0.2, np.quantile(error, [0.5, 0.9])
@@ -300,7 +247,7 @@ def test_last_layers_keep_a_frozen_nested_backbone_frozen(tmp_path):
     backbone = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
                                  keras.layers.BatchNormalization(), keras.layers.GlobalAveragePooling2D()],
                                 name="backbone")
-    _randomise_batch_norm(backbone)
+    randomise_batch_norm(backbone)
     backbone.trainable = False
     inputs = keras.Input((8, 8, 3))
     h = keras.layers.Dense(6, activation="relu")(backbone(inputs))
@@ -327,17 +274,62 @@ def test_last_layers_keep_a_frozen_nested_backbone_frozen(tmp_path):
 @pytest.mark.heavy
 def test_last_layer_of_convnext_becomes_bayesian():
     """ConvNeXt (a nested stem model, GELU, layer normalisation, LayerScale, depthwise
-    convolutions: refused whole) keeps its body plain under a keras-dvi classifier."""
+    convolutions: refused whole, at its first layer normalisation) keeps its body plain under a
+    keras-dvi classifier."""
     keras.utils.set_random_seed(2)
     plain = keras.applications.ConvNeXtTiny(weights=None, input_shape=(32, 32, 3), classes=5)
-    with pytest.raises(ValueError, match="nested model.*last_layers"):
-        kd.convert(plain)
+    with pytest.raises(ValueError, match="'convnext_tiny_stem_layernorm' \\(LayerNormalization\\) has no accurate "
+                                         "Gaussian moment rule.*last_layers"):
+        kd.convert(plain)  # (its nested stem is read layer by layer: its layer normalisation stops it)
     converted = kd.convert(plain, last_layers=1, **TINY)
     assert type(converted.layers[-1]).__name__ == "DenseDVI"
     assert not any(isinstance(layer, kd.layers.boundary.KerasDVILayer) for layer in converted.layers[:-1])
     x = _images(rows=2, size=32, channels=3)
     mean, _ = kd.unpack(converted(x))
     np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x, training=False)), atol=1e-6)
+
+
+def test_nested_models_convert_layer_by_layer():
+    """A backbone nested under a head (the transfer-learning way of writing a model) and models
+    nested two deep convert as one graph of their layers: copies with the plain weights (the
+    plain model is left as it was), computing the plain function at tiny variances."""
+    keras.utils.set_random_seed(4)
+    backbone = keras.applications.MobileNetV2(alpha=0.35, include_top=False, pooling="avg", weights=None,
+                                              input_shape=(32, 32, 3))
+    randomise_batch_norm(backbone)
+    plain = keras.Sequential([keras.Input((32, 32, 3)), backbone, keras.layers.Dense(5, activation="softmax")])
+    before = [w.copy() for w in plain.get_weights()]
+    converted = kd.convert(plain, **TINY)
+    kinds = {type(layer).__name__ for layer in converted.layers}
+    assert {"DepthwiseConv2DDVI", "AddDVI", "GlobalAveragePooling2DDVI", "DenseDVI"} <= kinds, kinds
+    assert not any(isinstance(layer, keras.Model) for layer in converted.layers)
+    assert isinstance(converted.loss, kd.SoftmaxDeltaELL)  # ended in a softmax: compiled as a classifier
+    x = _images(rows=2, size=32, channels=3)
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x, training=False)), atol=2e-5)
+    for a, b in zip(plain.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    # two deep: a Sequential between layers of a functional model that the input feeds, under a head
+    block = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+                              keras.layers.BatchNormalization(), keras.layers.ReLU()], name="block")
+    randomise_batch_norm(block)
+    body_inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 1, activation="relu")(body_inputs)
+    body = keras.Model(body_inputs, keras.layers.Add()([h, block(h)]), name="body")
+    inputs = keras.Input((8, 8, 3))
+    plain = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(body(inputs))))
+    converted = kd.convert(plain, **TINY)
+    assert [type(layer).__name__ for layer in converted.layers][1:] == [
+        "Conv2DDVI", "Conv2DDVI", "AddDVI", "GlobalAveragePooling2DDVI", "DenseDVI"]  # the normalisation folded
+    x = _images(rows=3, size=8, channels=3)
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(mean), to_numpy(plain(x, training=False)), rtol=1e-4, atol=1e-5)
+    # a nested functional model on an intermediate tensor: refused by name
+    h = keras.layers.Conv2D(3, 1)(inputs)
+    plain = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(body(h))))
+    with pytest.raises(ValueError, match="nested functional model 'body' is called on an intermediate tensor.*"
+                                         "last_layers"):
+        kd.convert(plain)
 
 
 def test_last_layers_misuse_is_refused():
@@ -439,16 +431,25 @@ def test_what_cannot_be_converted_is_refused_by_name():
     already = keras.Sequential([keras.Input((8,)), kd.DenseDVI(2)])
     with pytest.raises(ValueError, match="already has keras-dvi layers"):
         kd.convert(already)
-    nested = keras.Sequential([keras.Input((8,)), keras.Sequential([keras.layers.Dense(2)])])
-    with pytest.raises(ValueError, match="nested model"):
-        kd.convert(nested)
-
     class Subclassed(keras.Model):
         def call(self, inputs):
             return inputs
 
     with pytest.raises(ValueError, match="built Sequential or functional"):
         kd.convert(Subclassed())
+    inner = Subclassed()
+    inner(np.zeros((1, 8), "float32"))
+    with pytest.raises(ValueError, match="nested subclassed model.*last_layers"):
+        kd.convert(keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), inner, keras.layers.Dense(2)]))
+    # layers with no accurate Gaussian rule, named with the reason
+    vectors, sequences = keras.Input((4,)), keras.Input((6, 4))
+    for inputs, first, layer, reason in (
+            (vectors, keras.layers.Dense(4), keras.layers.LayerNormalization(name="no_rule"),
+             "divides each unit by a statistic"),
+            (sequences, keras.layers.Conv1D(4, 1), keras.layers.LSTM(3, name="no_rule"), "feeds its random state back")):
+        with pytest.raises(ValueError, match=f"'no_rule' \\({type(layer).__name__}\\) has no accurate Gaussian "
+                                             f"moment rule \\(it {reason}.*last_layers=k"):
+            kd.convert(keras.Model(inputs, keras.layers.Dense(2)(layer(first(inputs)))))
     with pytest.raises(ValueError, match="hidden_covariance"):
         kd.convert(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]), hidden_covariance="block")
 
@@ -483,7 +484,7 @@ def _deployable(kind):
                                   kd.Conv2DDVI(4, 2, activation="relu"), kd.FlattenDVI(), kd.DenseDVI(3)])
         return model, _images(rows=5)
     plain = _mobile_block() if kind == "mobilenet" else _squeeze_excitation_network()
-    _randomise_batch_norm(plain)
+    randomise_batch_norm(plain)
     model = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=100))
     return model, _images(rows=5, size=8, channels=3)
 
