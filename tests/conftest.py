@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import os
 
@@ -43,6 +44,7 @@ def _optimizer_built_before_fit(request, monkeypatch):
         return
     fit = keras.Model.fit
 
+    @functools.wraps(fit)  # (`fit`'s own signature: tests bind and read it)
     def fit_with_built_optimizer(self, *args, **kwargs):
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and not optimizer.built and self.built and self.trainable_variables:
