@@ -33,18 +33,14 @@ _RESHAPING = {
 _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
                        keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
                        keras.layers.ActivityRegularization, keras.layers.Identity)
-#: Layers with no accurate Gaussian moment rule, and why: `convert` refuses them with the reason.
+#: Layers with no accurate Gaussian moment rule (and their subclasses: LSTM, GRU, ...), and why:
+#: `convert` refuses them with the reason.
 _NO_GAUSSIAN_RULE = {
-    keras.layers.LayerNormalization: "it divides each unit by a statistic of the layer's own random input",
-    keras.layers.GroupNormalization: "it divides each unit by a statistic of the layer's own random input",
-    keras.layers.UnitNormalization: "it divides each unit by a statistic of the layer's own random input",
-    keras.layers.MultiHeadAttention: "it multiplies random features by a softmax of products of random features",
-    keras.layers.Attention: "it multiplies random features by a softmax of products of random features",
-    keras.layers.AdditiveAttention: "it multiplies random features by a softmax of sums of random features",
-    keras.layers.RNN: "it feeds its random state back through nonlinear gates at every step",
-    keras.layers.LSTM: "it feeds its random state back through nonlinear gates at every step",
-    keras.layers.GRU: "it feeds its random state back through nonlinear gates at every step",
-    keras.layers.SimpleRNN: "it feeds its random state back through a nonlinearity at every step",
+    (keras.layers.LayerNormalization, keras.layers.GroupNormalization, keras.layers.UnitNormalization):
+        "it divides each unit by a statistic of the layer's own random input",
+    (keras.layers.MultiHeadAttention, keras.layers.Attention):
+        "it multiplies random features by a softmax of products or sums of random features",
+    (keras.layers.RNN,): "it feeds its random state back through a nonlinearity at every step",
 }
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
 #: The activations `convert` carries, for messages.
@@ -93,9 +89,10 @@ class _Graph:
         self.layers = [node for node in nodes if not isinstance(node, keras.layers.InputLayer)]
         for layer in self.layers:
             if isinstance(layer, keras.Model):
-                raise ValueError(f"keras_dvi.convert: layer {layer.name!r} is a nested subclassed model, which has "
-                                 "no graph of layers to convert (nested Sequential and functional models are "
-                                 "converted layer by layer); keep it plain and convert only the layers after it "
+                raise ValueError(f"keras_dvi.convert: layer {layer.name!r} is a nested model that convert cannot "
+                                 "read here: a subclassed model has no graph of layers (a whole-model conversion "
+                                 "reads nested Sequential and functional models layer by layer, `last_layers=k` "
+                                 "does not inside its part); keep it plain and convert only the layers after it "
                                  "(`last_layers=k`).")
         producer_of = {}
         for layer in self.layers:
@@ -162,10 +159,18 @@ def _inlined(model):
         flat = keras.Model(inputs, call(model, inputs), name=model.name)
     else:
         flat = keras.models.clone_model(model, clone_function=copy, call_function=call)
-    for layer, duplicate in copies:
-        if layer.weights:
-            duplicate.set_weights(layer.get_weights())
+    _copy_weights(copies)
     return flat
+
+
+def _copy_weights(pairs):
+    """Gives each built copy its original's weights, `pairs` of `(layer, copy)` (and finalises
+    its state, as Keras does after loading: a `Normalization`'s statistics)."""
+    for layer, copy in pairs:
+        if layer.weights:
+            copy.set_weights(layer.get_weights())
+            if hasattr(copy, "finalize_state"):
+                copy.finalize_state()
 
 
 def _through_identities(graph, layer, identity):
@@ -301,10 +306,10 @@ def _elementwise_activation(start, end):
     except (ValueError, TypeError, AttributeError):
         return None
     grid = np.concatenate([np.linspace(-8.0, 8.0, 161), [-3.0, 0.0, 3.0, 6.0]])
-    per_row = int(np.prod([1 if d is None else int(d) for d in start.shape[1:]]))
-    rows = -(-len(grid) // per_row) + 1
-    x = np.resize(np.random.default_rng(0).permutation(grid), rows * per_row)
-    x = x.reshape((rows, *[1 if d is None else int(d) for d in start.shape[1:]])).astype(start.dtype)
+    row = [1 if d is None else int(d) for d in start.shape[1:]]
+    rows = -(-len(grid) // int(np.prod(row))) + 1  # (every grid value at least once)
+    x = np.resize(np.random.default_rng(0).permutation(grid), rows * int(np.prod(row)))
+    x = x.reshape((rows, *row)).astype(start.dtype)
     try:
         y = keras.ops.convert_to_numpy(part(x)).astype("float64")
     except Exception:  # noqa: BLE001 (a part that does not run on this tensor computes no activation)
@@ -318,6 +323,13 @@ def _elementwise_activation(start, end):
     return None
 
 
+def _takes_activation(layer):
+    """Whether an activation after `layer` folds into it: a `Dense`, a convolution, a max
+    pooling or an `Add` (keras-dvi's counterparts apply their own `activation`)."""
+    return _is_weight_layer(layer) or isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
+                                                         keras.layers.Add))
+
+
 def _operation_activations(graph, plain):
     """`{id(layer): (activation, chain)}`: a layer (a linear `Dense` or convolution, a max
     pooling or an `Add`) read only by a chain of operations on tensors and activation layers,
@@ -327,9 +339,7 @@ def _operation_activations(graph, plain):
     operation counts (chains of layers alone fold one by one in `_plan`)."""
     found = {}
     for layer in graph.layers:
-        if id(layer) in plain or not (
-                _is_weight_layer(layer) and _activation_of(layer) == "linear"
-                or isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.Add))):
+        if id(layer) in plain or not _takes_activation(layer) or _activation_of(layer) != "linear":
             continue
         chain, node = [], layer
         while True:
@@ -371,8 +381,7 @@ def _plan(graph):
     for layer in graph.layers:
         if id(layer) in plain or id(layer) in identity:
             continue
-        if _is_weight_layer(layer) or isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
-                                                         keras.layers.Add)):
+        if _takes_activation(layer):
             activation.setdefault(id(layer), _activation_of(layer) if _is_weight_layer(layer) else "linear")
         if isinstance(layer, (keras.layers.BatchNormalization, *_ACTIVATION_LAYERS)):
             batch_norm = isinstance(layer, keras.layers.BatchNormalization)
@@ -654,8 +663,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                    name=layer.name)
         elif _is_operation(layer):
             raise _operation_refused(layer)
-        elif isinstance(layer, tuple(_NO_GAUSSIAN_RULE)):
-            reason = next(why for kind, why in _NO_GAUSSIAN_RULE.items() if isinstance(layer, kind))
+        elif any(isinstance(layer, kinds) for kinds in _NO_GAUSSIAN_RULE):
+            reason = next(why for kinds, why in _NO_GAUSSIAN_RULE.items() if isinstance(layer, kinds))
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no accurate Gaussian moment "
                 f"rule ({reason}), so keras-dvi does not propagate moments through it. To keep the layers up to it "
@@ -723,11 +732,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             "spread with keras_dvi.predict_samples, or convert with last_layers=k to make only the head "
             "Bayesian.",
             stacklevel=2)
-    for layer, copy in kept:
-        if layer.weights:
-            copy.set_weights(layer.get_weights())
-            if hasattr(copy, "finalize_state"):
-                copy.finalize_state()  # (what Keras calls after loading a layer's variables)
+    _copy_weights(kept)
     if classifier:
         optimizer = getattr(model, "optimizer", None)
         optimizer = (keras.optimizers.Adam(1e-3) if optimizer is None

@@ -114,6 +114,7 @@ def test_a_first_fit_that_builds_the_optimizer_in_its_trace_trains_the_same(kind
         keras.utils.set_random_seed(7)
         model = _model(kind, kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=3))
         model.compile(keras.optimizers.Adam(1e-2), loss=kd.HeteroscedasticELL())
+        assert not model.optimizer.built  # (this test runs without conftest's wrapper)
         if prebuild:
             model.optimizer.build(model.trainable_variables)
         history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history

@@ -102,18 +102,23 @@ def agreement(mean, variance, samples):
     return ratio, error
 
 
-def measure(network, seed, draws=300):
-    """One network and seed: the figures of the guide's table, as a dict."""
+def agreements(network, seed, draws=300):
+    """`((logit ratio, logit error), (map ratio, map error))` per unit (`agreement`) of one
+    network and seed under the protocol above."""
     keras.utils.set_random_seed(seed)
     plain = NETWORKS[network]()
     randomise_batch_norm(plain)
     calibrate_batch_norm(plain, images(32, seed=9))
-    start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (convert's warning on EfficientNets and MobileNetV3s is the subject)
         feature_map, logits = moments_and_samples(plain, images(2), draws=draws, seed=seed)
-    logit_ratio, logit_error = agreement(*logits)
-    map_ratio, map_error = agreement(*feature_map)
+    return agreement(*logits), agreement(*feature_map)
+
+
+def measure(network, seed, draws=300):
+    """One network and seed: the figures of the guide's table, as a dict."""
+    start = time.perf_counter()
+    (logit_ratio, logit_error), (map_ratio, map_error) = agreements(network, seed, draws)
     return {"network": network, "seed": seed, "logit_ratio": (float(logit_ratio.min()), float(logit_ratio.max())),
             "logit_error_max": float(logit_error.max()), "map_ratio_median": float(np.median(map_ratio)),
             "map_error_median": float(np.median(map_error)), "seconds": time.perf_counter() - start}
