@@ -19,9 +19,19 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: XLA without LLVM's optimisation passes, for the JAX subprocesses: their compiled steps are
+#: small and run a few times, so compiling cost more than running (the JAX cross-section took
+#: a fifth less CPU time). XLA builds the same program; only the machine code it emits for it is
+#: left unoptimised. (Not for the TensorFlow processes: Keras runs TensorFlow's grouped
+#: convolutions through XLA even eagerly, and unoptimised they ran 20 times slower.) The
+#: benchmarks run at XLA's defaults.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
 def _jax_env(x64):
     """The environment of a JAX subprocess, float64 enabled or not."""
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
     env.pop("JAX_ENABLE_X64", None)
     if x64:
         env["JAX_ENABLE_X64"] = "1"

@@ -496,7 +496,7 @@ def test_networks_export_and_convert_to_tflite_builtins(kind, tmp_path):
     model.export(str(tmp_path / "saved"), verbose=False)
     saved = tf.saved_model.load(str(tmp_path / "saved"))  # (held: its variables live as long as it does)
     np.testing.assert_allclose(saved.serve(tf.constant(x)).numpy(), expected, **tolerance)
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    converter = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "saved"))  # (the export above)
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (tf.lite.Interpreter's deprecation notice)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from keras_dvi import DenseDiagDVI, DenseDVI, EmpiricalBayesRegularizer, HeteroscedasticELL, SkipDVI
+from tests.test_backends import FAST_COMPILE
 
 COMMON = """
 import os
@@ -183,6 +184,6 @@ def test_converted_resnet_block_trains_the_same_under_jax_data_parallel():
         one = train(None)
         compare(one, train(keras.distribution.DataParallel(devices=devices)))
         """)
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
     out = _run(script, env=env)
     assert out.startswith("OK")

@@ -150,7 +150,10 @@ DEEP_CASES = {
     "relu 2x25 exact": (lambda: _relu_stack(2, 25, "exact"), 0.05, 0.1),
     "relu 3x50 paper": (lambda: _relu_stack(3, 50, "paper"), 0.05, 0.1),
     "relu 5x25 exact": (lambda: _relu_stack(5, 25, "exact"), 0.05, 0.1),
-    "relu 5x128 paper": (lambda: _relu_stack(5, 128, "paper"), 0.05, 0.1),
+    # 5,000 draws for the wide network (a draw samples 82k weights): Monte Carlo standard errors
+    # 0.014 on the mean error and 0.02 on the variance ratio, a third and a fifth of the bounds
+    # (errors measured 0.018 and 0.044; 0.015 and 0.016 with 20,000 draws).
+    "relu 5x128 paper": (lambda: _relu_stack(5, 128, "paper"), 0.05, 0.1, 5_000),
     # Heaviside networks are further from Gaussian (discrete units): documented looser bound,
     # at posterior variances of 0.1 / fan_in (the smaller default makes units more
     # deterministic and the output less Gaussian: mean error 0.14 measured).
@@ -173,9 +176,9 @@ DEEP_CASES = {
 
 @pytest.mark.parametrize("case", list(DEEP_CASES))
 def test_deep_networks_match_monte_carlo(case):
-    build, mean_bound, var_bound = DEEP_CASES[case]
+    build, mean_bound, var_bound, *draws = DEEP_CASES[case]
     model = _model(build(), 3)
-    mean, cov, samples = _dvi_and_mc(model, _inputs())
+    mean, cov, samples = _dvi_and_mc(model, _inputs(), *draws)
     mean_err, var_err = _errors(mean, cov, samples)
     REPORT[case] = (mean_err, var_err)
     assert mean_err <= mean_bound and var_err <= var_bound, (mean_err, var_err)
