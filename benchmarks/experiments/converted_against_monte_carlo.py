@@ -41,6 +41,7 @@ NETWORKS = {
     "MobileNetV3Small-minimalistic": _applications(keras.applications.MobileNetV3Small, minimalistic=True),
     "MobileNetV3Large": _applications(keras.applications.MobileNetV3Large),
     "EfficientNetB0": _applications(keras.applications.EfficientNetB0),
+    "NASNetMobile": _applications(keras.applications.NASNetMobile),
 }
 
 
