@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
-def _jax_env(x64):
+def jax_env(x64):
     """The environment of a JAX subprocess, float64 enabled or not."""
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
@@ -123,7 +123,7 @@ def start_jax_suite(folder):
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                "--durations=15", "-m", "not heavy", *JAX_SUITE]
     return subprocess.Popen([sys.executable, "-c", _RUNNER, folder, *command], cwd=ROOT,
-                            env=_jax_env(x64=True), start_new_session=True)
+                            env=jax_env(x64=True), start_new_session=True)
 
 
 def stop_jax_suite(process, folder):
@@ -216,7 +216,7 @@ def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
     losses, predictions = _train(weights)
     out = str(tmp_path / "jax.npz")
     result = subprocess.run([sys.executable, __file__, weights, out], cwd=ROOT,
-                            env=_jax_env(x64=False), capture_output=True, text=True, timeout=600)
+                            env=jax_env(x64=False), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     jax_run = np.load(out)
     assert losses[1, 1] < losses[1, 0]  # it trained (nll)

@@ -1,6 +1,5 @@
 """XLA, tf.distribute.MirroredStrategy (two logical CPUs) and determinism."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 from keras_dvi import DenseDiagDVI, DenseDVI, EmpiricalBayesRegularizer, HeteroscedasticELL, SkipDVI
-from tests.test_backends import FAST_COMPILE
+from tests.test_backends import jax_env
 
 COMMON = """
 import os
@@ -184,6 +183,7 @@ def test_converted_resnet_block_trains_the_same_under_jax_data_parallel():
         one = train(None)
         compare(one, train(keras.distribution.DataParallel(devices=devices)))
         """)
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+    env = jax_env(x64=False)
+    env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
     out = _run(script, env=env)
     assert out.startswith("OK")

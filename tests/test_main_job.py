@@ -111,7 +111,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs_the_main_job(tmp_p
     subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index",
                     wheel], check=True, capture_output=True, timeout=600)
     env = dict(os.environ, MPLBACKEND="Agg")
-    env.pop("PYTHONPATH", None)
+    for name in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL"):  # (a user's shell sets neither; conftest sets the second)
+        env.pop(name, None)
     # Where `python -m keras_dvi` imports the package from: the environment, not the source tree
     # (without reading Keras: a second import of TensorFlow would cost seconds).
     where = subprocess.run([python, "-c", "import importlib.util; print(importlib.util.find_spec('keras_dvi').origin)"],
