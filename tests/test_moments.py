@@ -442,6 +442,73 @@ def test_activation_covariance_assembles_cross_and_diagonal_terms(activation):
     np.testing.assert_allclose(cov_h, np.swapaxes(cov_h, -1, -2), atol=1e-12)
 
 
+def _pairwise_relu_paper(mean, cov):
+    """`activation_covariance(..., "relu", "paper")` assembled from the elementwise functions (the
+    oracle of the one-pass form's hand-written gradient: autodiff differentiates these)."""
+    ops = keras.ops
+    variance = moments.diagonal(cov)
+    mean_h, var_h = moments.activation_moments(mean, variance, "relu")
+    off = moments.cross_covariance(ops.expand_dims(mean, -1), ops.expand_dims(mean, -2), ops.expand_dims(variance, -1),
+                                   ops.expand_dims(variance, -2), cov, "relu", "paper")
+    return mean_h, ops.where(ops.cast(ops.eye(ops.shape(mean)[-1]), "bool"), ops.expand_dims(var_h, -1), off)
+
+
+def _relu_paper_cases(rng):
+    """`(label, mean, covariance)`: random, large means, independent units (rho = 0), a unit of
+    zero variance, rank one (rho = +-1), means clipped at MU_MAX."""
+    zero_unit = _random_covariance(rng, 2, 5)
+    zero_unit[:, 0, :] = zero_unit[:, :, 0] = 0.0
+    direction = rng.normal(size=(2, 1, 5))
+    return [
+        ("random", rng.normal(size=(3, 6)), _random_covariance(rng, 3, 6)),
+        ("large means", 3 * rng.normal(size=(3, 6)), 0.1 * _random_covariance(rng, 3, 6)),
+        ("independent", rng.normal(size=(3, 6)), np.stack([np.diag(rng.uniform(0.1, 2, 6)) for _ in range(3)])),
+        ("zero variance", rng.normal(size=(2, 5)), zero_unit),
+        ("rank one", rng.normal(size=(2, 5)), np.swapaxes(direction, -1, -2) @ direction + 1e-9 * np.eye(5)),
+        ("clipped mu", 80 * rng.normal(size=(2, 5)), 1e-3 * _random_covariance(rng, 2, 5)),
+    ]
+
+
+def test_relu_paper_covariance_gradient_matches_autodiff_and_finite_differences(floatx):
+    """ReLU's one-pass paper covariance (the layers' default) and its hand-written gradient: the
+    values are the pairwise functions', the gradient autodiff's of the pairwise functions (to
+    round-off, at every edge, finite), and, in float64, central finite differences'."""
+    rng = np.random.default_rng(7)
+    for label, mean, cov in _relu_paper_cases(rng):
+        mean, cov = mean.astype(floatx), cov.astype(floatx)
+        w_mean, w_cov = rng.normal(size=mean.shape).astype(floatx), rng.normal(size=cov.shape).astype(floatx)
+
+        def objective(function):
+            def total(m, c):
+                mean_h, cov_h = function(m, c)
+                return keras.ops.sum(mean_h * w_mean) + keras.ops.sum(cov_h * w_cov)
+            return total
+
+        one_pass = lambda m, c: moments.activation_covariance(m, c, "relu", "paper")  # noqa: E731
+        value, (g_mean, g_cov) = gradients(objective(one_pass), [mean, cov])
+        want, (want_mean, want_cov) = gradients(objective(_pairwise_relu_paper), [mean, cov])
+        tol = 1e-6 if floatx == "float32" else 1e-12
+        np.testing.assert_allclose(value, want, rtol=tol, err_msg=label)
+        assert np.isfinite(g_mean).all() and np.isfinite(g_cov).all(), label
+        # rank one: 1/rho_bar of correlations clipped at 1 - 1e-6 (float32) magnifies round-off
+        scale = 1e3 if label == "rank one" else 1.0
+        np.testing.assert_allclose(g_mean, want_mean, atol=scale * tol * (1 + np.abs(want_mean).max()), err_msg=label)
+        np.testing.assert_allclose(g_cov, want_cov, atol=scale * tol * (1 + np.abs(want_cov).max()), err_msg=label)
+        if floatx == "float64" and label in ("random", "large means", "independent"):
+            def weighted(m, c):
+                mean_h, cov_h = moments.activation_covariance(keras.ops.convert_to_tensor(m), keras.ops.convert_to_tensor(c),
+                                                              "relu", "paper")
+                return float(np.sum(to_numpy(mean_h) * w_mean) + np.sum(to_numpy(cov_h) * w_cov))
+
+            h = 1e-6
+            for _ in range(3):  # random directions; the covariance's kept symmetric, as layers give it
+                d_mean = rng.normal(size=mean.shape)
+                d_cov = rng.normal(size=cov.shape)
+                d_cov = d_cov + np.swapaxes(d_cov, -1, -2)
+                fd = (weighted(mean + h * d_mean, cov + h * d_cov) - weighted(mean - h * d_mean, cov - h * d_cov)) / (2 * h)
+                np.testing.assert_allclose(np.sum(g_mean * d_mean) + np.sum(g_cov * d_cov), fd, rtol=1e-6, err_msg=label)
+
+
 @pytest.mark.parametrize("activation", ["relu", "heaviside"])
 def test_exact_covariance_is_positive_semidefinite(activation):
     rng = np.random.default_rng(1)

@@ -25,7 +25,13 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 def _load(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # loads silently
-        return keras.saving.load_model(os.path.join(DATA, f"v0.1.0_{name}.keras"), safe_mode=True)
+        model = keras.saving.load_model(os.path.join(DATA, f"v0.1.0_{name}.keras"), safe_mode=True)
+    if keras.backend.backend() == "jax":
+        # TensorFlow wrote the files on a CPU, where compile's "auto" saves `jit_compile=False`;
+        # JAX then runs every operation on its own, each compiled separately (a minute for these
+        # tests). Compiled steps, as `compile` gives on JAX:
+        model.jit_compile = True
+    return model
 
 
 @pytest.fixture(scope="module")

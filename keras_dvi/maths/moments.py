@@ -263,14 +263,9 @@ def expected_derivative(mean, variance, activation):
     return get_activation(activation).derivative(mean, variance)
 
 
-@ops.custom_gradient
-def _relu_moments_and_slope(mean, variance):
-    """`(E[h], Var[h], E[f'(a)] = Phi(mu))` of `h = relu(a)`, with the closed-form gradient
-    (a third of the operations of differentiating the forward pass): `dE/dm = Phi`,
-    `dE/dS = phi / (2 sqrt(S))`; `dVar/dm = 2 E[h] Phi(-mu)`, `dVar/dS = Phi - E[h] phi / sqrt(S)`
-    (Price's theorem: `dE[h^2]/dS = Phi`); `dPhi/dm = phi / sqrt(S)`, `dPhi/dS = -mu phi / (2 S)`.
-    Where `S` is floored the gradient through `sqrt(S)` is zero, as for the forward pass's own
-    derivative. Checked against finite differences in `tests/test_moments.py`."""
+def _relu_unit_statistics(mean, variance):
+    """`(std, mu, phi(mu), Phi(mu), Phi(-mu), E[h], Var[h] / S)` of independent ReLU units: what
+    their moments, slope and gradients share."""
     std = _safe_std(variance)
     mu = _standardise(mean, std)
     pdf = normal_pdf(mu)
@@ -279,20 +274,41 @@ def _relu_moments_and_slope(mean, variance):
     # Var/S = Phi + mu^2 Phi Q + mu phi (Q - Phi) - phi^2: each term is accurate in both tails
     # (the leading 1 or the leading tail term dominates).
     ratio = ops.maximum(cdf + mu * (mu * cdf * upper + pdf * (upper - cdf)) - ops.square(pdf), 0.0)
+    return std, mu, pdf, cdf, upper, mean_h, ratio
+
+
+def _relu_unit_gradient(g_mean, g_var, g_slope, variance, statistics):
+    """The gradient in `(mean, variance)` of `(E[h], Var[h], Phi(mu))` of ReLU units, against the
+    upstream gradients `g_*` (see `_relu_moments_and_slope`); `statistics` is
+    `_relu_unit_statistics`'."""
+    std, mu, pdf, cdf, upper, mean_h, ratio = statistics
+    pdf_over_std = pdf / std
+    live = variance > VARIANCE_FLOOR
+    d_mean = g_mean * cdf + g_var * (2.0 * mean_h * upper) + g_slope * pdf_over_std
+    d_variance = ops.where(
+        live,
+        g_mean * (0.5 * pdf_over_std) + g_var * (cdf - mean_h * pdf_over_std) - g_slope * (0.5 * mu / std) * pdf_over_std,
+        g_var * ratio * ops.cast(variance >= 0.0, variance.dtype),
+    )
+    return d_mean, d_variance
+
+
+@ops.custom_gradient
+def _relu_moments_and_slope(mean, variance):
+    """`(E[h], Var[h], E[f'(a)] = Phi(mu))` of `h = relu(a)`, with the closed-form gradient
+    (a third of the operations of differentiating the forward pass): `dE/dm = Phi`,
+    `dE/dS = phi / (2 sqrt(S))`; `dVar/dm = 2 E[h] Phi(-mu)`, `dVar/dS = Phi - E[h] phi / sqrt(S)`
+    (Price's theorem: `dE[h^2]/dS = Phi`); `dPhi/dm = phi / sqrt(S)`, `dPhi/dS = -mu phi / (2 S)`.
+    Where `S` is floored the gradient through `sqrt(S)` is zero, as for the forward pass's own
+    derivative. Checked against finite differences in `tests/test_moments.py`."""
+    statistics = _relu_unit_statistics(mean, variance)
+    _, _, _, cdf, _, mean_h, ratio = statistics
 
     def grad(*upstream):
         if len(upstream) == 1:  # JAX passes the outputs' cotangents as one tuple
             upstream = upstream[0]
         g_mean, g_var, g_slope = (ops.zeros_like(mean) if g is None else g for g in upstream)
-        pdf_over_std = pdf / std
-        live = variance > VARIANCE_FLOOR
-        d_mean = g_mean * cdf + g_var * (2.0 * mean_h * upper) + g_slope * pdf_over_std
-        d_variance = ops.where(
-            live,
-            g_mean * (0.5 * pdf_over_std) + g_var * (cdf - mean_h * pdf_over_std) - g_slope * (0.5 * mu / std) * pdf_over_std,
-            g_var * ratio * ops.cast(variance >= 0.0, variance.dtype),
-        )
-        return d_mean, d_variance
+        return _relu_unit_gradient(g_mean, g_var, g_slope, variance, statistics)
 
     return (mean_h, ops.maximum(variance, 0.0) * ratio, cdf), grad
 
@@ -586,7 +602,17 @@ def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l
     # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)) and
     # c2 = (arcsin(rho) - rho)/(g rho) = (arcsin(rho)/rho - 1)/(rho G): the corrected Table 1
     # (note the minus sign in g and the factor rho in the prefactor).
-    rho_c = _coefficient_correlation(rho)
+    g_over_rho, c1, c2, _, _ = _paper_relu_coefficients(_coefficient_correlation(rho))
+    exponent = c2 * mu_j * mu_l - c1 * (ops.square(mu_j) + ops.square(mu_l))
+    # std_j std_l rho^2 == S_jl rho (rho clipped only where that makes no difference).
+    correction = (cov_jl * rho) * (g_over_rho / _TWO_PI) * ops.exp(exponent)
+    return cov_jl * (normal_cdf(mu_j) * normal_cdf(mu_l)) + correction
+
+
+def _paper_relu_coefficients(rho_c):
+    """The corrected Table 1's coefficients of the paper's ReLU correction at the correlations
+    `rho_c` (`_coefficient_correlation`): `(G = g / rho, c1, c2)`, with `rho_bar` and `asinc`
+    for their derivatives."""
     # rho_bar of rho_c (not rho) serves the arcsin too; they differ only where |rho| < 1e-3
     # (float32), by less than 5e-7, in a term multiplied by rho^2.
     rho_bar = ops.sqrt((1.0 - rho_c) * (1.0 + rho_c))
@@ -595,10 +621,100 @@ def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l
     g_over_rho = asinc - 1.0 / one_plus_rho_bar
     c1 = 0.5 / (g_over_rho * one_plus_rho_bar)
     c2 = (asinc - 1.0) / (rho_c * g_over_rho)
-    exponent = c2 * mu_j * mu_l - c1 * (ops.square(mu_j) + ops.square(mu_l))
-    # std_j std_l rho^2 == S_jl rho (rho clipped only where that makes no difference).
-    correction = (cov_jl * rho) * (g_over_rho / _TWO_PI) * ops.exp(exponent)
-    return cov_jl * (normal_cdf(mu_j) * normal_cdf(mu_l)) + correction
+    return g_over_rho, c1, c2, rho_bar, asinc
+
+
+@ops.custom_gradient
+def _relu_paper_covariance_matrix(mean, covariance):
+    """`activation_covariance(mean, covariance, "relu", "paper")` in one pass, with its
+    closed-form gradient.
+
+    The forward pass is `activation_moments` on the diagonal and `_paper_relu_covariance` off
+    it, with each unit's `sqrt(S)`, `mu`, `phi` and `Phi` computed once (not once per row and
+    column). The gradient differentiates the corrected Table 1 by hand: with
+    `T = S_jl rho (G / 2 pi) e^E` the correction and `E = c2 mu_j mu_l - c1 (mu_j^2 + mu_l^2)`,
+    `dC/dmu_j = S_jl phi_j Phi_l + T (c2 mu_l - 2 c1 mu_j)`,
+    `dC/drho = S_jl e^E (G + rho (G' + G E')) / 2 pi` (`'` the derivative in the coefficients'
+    correlation), `dC/dS_jl = Phi_j Phi_l + rho (G / 2 pi) e^E` at fixed `rho`, then the chain
+    rule through `mu_j = m_j / sqrt(S_jj)` and `rho = S_jl / sqrt(S_jj S_ll)`; the diagonal's
+    is `_relu_moments_and_slope`'s. Clipped and floored quantities pass no gradient, as autodiff
+    of the forward pass gives. Half the graph operations of autodiff through the pairwise
+    functions, and a quarter to a half less time (`benchmarks/experiments/relu_covariance_gradient.py`);
+    checked against that autodiff and against finite differences in `tests/test_moments.py`."""
+    dtype = mean.dtype
+    on_diagonal = _diagonal_mask(ops.shape(mean)[-1])
+    variance = diagonal(covariance)
+    statistics = _relu_unit_statistics(mean, variance)
+    std, mu, pdf, cdf, _, mean_h, ratio = statistics
+    var_h = ops.maximum(variance, 0.0) * ratio
+
+    def row(x):  # unit j of the pair (j, l)
+        return ops.expand_dims(x, -1)
+
+    def col(x):  # unit l
+        return ops.expand_dims(x, -2)
+
+    std_outer = row(std) * col(std)
+    rho_raw = covariance / std_outer
+    rho = clip_correlation(rho_raw)
+    rho_c = _coefficient_correlation(rho)
+    g_over_rho, c1, c2, rho_bar, asinc = _paper_relu_coefficients(rho_c)
+    mu_j, mu_l = row(mu), col(mu)
+    cdf_j, cdf_l = row(cdf), col(cdf)
+    mu_outer = mu_j * mu_l
+    square_sum = ops.square(mu_j) + ops.square(mu_l)
+    exp_e = ops.exp(c2 * mu_outer - c1 * square_sum)
+    scaled = (g_over_rho / _TWO_PI) * exp_e  # (G / 2 pi) e^E
+    cdf_outer = cdf_j * cdf_l
+    correction = (covariance * rho) * scaled
+    off = covariance * cdf_outer + correction
+    cov_h = ops.where(on_diagonal, row(var_h), off)
+
+    def grad(*upstream):
+        if len(upstream) == 1:  # JAX passes the outputs' cotangents as one tuple
+            upstream = upstream[0]
+        g_mean_h, g_cov_h = (ops.zeros_like(x) if g is None else g for g, x in zip(upstream, (mean_h, cov_h)))
+        zero_units = ops.zeros_like(g_mean_h)
+        g_off = ops.where(on_diagonal, ops.zeros_like(g_cov_h), g_cov_h)
+        # The diagonal (E[h], Var[h]): `_relu_moments_and_slope`'s gradient.
+        d_mean, d_variance = _relu_unit_gradient(g_mean_h, diagonal(g_cov_h), zero_units, variance, statistics)
+        # Off the diagonal: the partial derivatives of C_jl in mu_j, mu_l, rho and S_jl, summed
+        # against the upstream gradient (the mu's as products with vectors, not K x K passes):
+        # sum_l g_jl dC_jl/dmu_j = phi_j (g S Phi)_j + (g T c2 mu)_j - 2 mu_j (g T c1 1)_j.
+        g_s = g_off * covariance
+        g_t = g_off * correction
+        g_t_c1 = g_t * c1
+        g_t_c2 = g_t * c2
+
+        def by_rows(matrix, vector):  # sum_l matrix_jl vector_l
+            return ops.squeeze(ops.matmul(matrix, ops.expand_dims(vector, -1)), -1)
+
+        def by_columns(matrix, vector):  # sum_j vector_j matrix_jl
+            return ops.squeeze(ops.matmul(ops.expand_dims(vector, -2), matrix), -2)
+
+        g_mu = (pdf * (by_rows(g_s, cdf) + by_columns(g_s, cdf)) + by_rows(g_t_c2, mu) + by_columns(g_t_c2, mu)
+                - 2.0 * mu * (ops.sum(g_t_c1, axis=-1) + ops.sum(g_t_c1, axis=-2)))
+        one_plus_rho_bar = 1.0 + rho_bar
+        d_asinc = (1.0 / rho_bar - asinc) / rho_c
+        d_g = d_asinc - rho_c / (rho_bar * ops.square(one_plus_rho_bar))
+        d_g_over_g = d_g / g_over_rho
+        d_c1 = -c1 * (d_g_over_g - rho_c / (rho_bar * one_plus_rho_bar))
+        d_c2 = d_asinc / (rho_c * g_over_rho) - c2 * (1.0 / rho_c + d_g_over_g)
+        d_exponent = d_c2 * mu_outer - d_c1 * square_sum
+        through_coefficients = ops.cast(ops.equal(rho_c, rho), dtype)  # 0 where rho_c was moved off 0
+        by_rho = covariance * (scaled + through_coefficients * (rho * exp_e / _TWO_PI) * (d_g + g_over_rho * d_exponent))
+        # The chain rule: rho = clip(S_jl / (s_j s_l)), mu = clip(m / s), s = sqrt(max(S_jj, floor)).
+        g_rho = g_off * by_rho * ops.cast(ops.abs(rho_raw) <= 1.0 - _rho_eps(dtype), dtype)
+        d_covariance = g_off * (cdf_outer + rho * scaled) + g_rho / std_outer
+        live_mu = ops.cast(ops.abs(mu) < MU_MAX, dtype)  # mu = clip(m / s): none where clipped
+        g_mu = g_mu * live_mu
+        g_rho_rho = g_rho * rho
+        g_std = -(g_mu * mu + ops.sum(g_rho_rho, axis=-1) + ops.sum(g_rho_rho, axis=-2)) / std
+        d_mean = d_mean + g_mu / std
+        d_variance = d_variance + ops.where(variance > VARIANCE_FLOOR, g_std * (0.5 / std), zero_units)
+        return d_mean, d_covariance + diag_embed(d_variance)
+
+    return (mean_h, cov_h), grad
 
 
 def _paper_heaviside_covariance(rho, mu_j, mu_l):
@@ -778,7 +894,8 @@ def activation_covariance(mean, covariance, activation, method="paper"):
     """Mean and full covariance of `h = f(a)` for `a ~ N(mean, covariance)`.
 
     The diagonal is the exact variance of `activation_moments`; off-diagonal entries come
-    from `cross_covariance` (Wu et al. 2019, eqs. 5-7, corrected Table 1, or `"exact"`).
+    from `cross_covariance` (Wu et al. 2019, eqs. 5-7, corrected Table 1, or `"exact"`). ReLU
+    with `"paper"` (the layers' default) runs in one pass with a hand-written gradient.
 
     Args:
         mean: `(..., K)` pre-activation means.
@@ -789,8 +906,11 @@ def activation_covariance(mean, covariance, activation, method="paper"):
     Returns:
         `(mean_h (..., K), covariance_h (..., K, K))`.
     """
-    if get_activation(activation).identity:
+    entry = get_activation(activation)
+    if entry.identity:
         return mean, covariance
+    if entry.name == "relu" and canonical_method(method) == "paper":  # the layers' default: one pass, hand gradient
+        return _relu_paper_covariance_matrix(mean, covariance)
     variance = diagonal(covariance)
     mean_h, var_h = activation_moments(mean, variance, activation)
     off = cross_covariance(

@@ -1,0 +1,128 @@
+"""ReLU's paper covariance with its hand-written gradient against autodiff of the pairwise form.
+
+    python -m benchmarks.experiments.relu_covariance_gradient --out benchmarks/results/relu_covariance_gradient.md
+
+`activation_covariance(mean, cov, "relu", "paper")` (what `DenseDVI` and `SkipDVI` compute by
+default) runs in one pass with a closed-form gradient. This script times it against the same
+matrix assembled from the elementwise `activation_moments` and `cross_covariance`, whose gradient
+TensorFlow derives by autodiff (the former implementation), interleaved in one process so the
+machine's drift cancels: the operation alone (forward + backward, compiled, graph nodes) and
+whole `DenseDVI` networks' training steps (`fit`, Adam, empirical Bayes), one CPU thread.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from keras import ops  # noqa: E402
+
+import keras_dvi as kd  # noqa: E402
+from keras_dvi.maths import moments  # noqa: E402
+
+
+def pairwise(mean, covariance):
+    """The former form: the diagonal and the pairwise covariances, differentiated by autodiff."""
+    variance = moments.diagonal(covariance)
+    mean_h, var_h = moments.activation_moments(mean, variance, "relu")
+    off = moments.cross_covariance(ops.expand_dims(mean, -1), ops.expand_dims(mean, -2), ops.expand_dims(variance, -1),
+                                   ops.expand_dims(variance, -2), covariance, "relu", "paper")
+    return mean_h, ops.where(ops.cast(ops.eye(ops.shape(mean)[-1]), "bool"), ops.expand_dims(var_h, -1), off)
+
+
+FORMS = {"hand-written gradient": moments._relu_paper_covariance_matrix, "autodiff of the pairwise form": pairwise}
+
+
+def operation_rows(batch, units, rounds, repeats):
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(batch, units, units))
+    cov = tf.constant((a @ np.swapaxes(a, -1, -2) / units + 1e-3 * np.eye(units)).astype("float32"))
+    mean = tf.constant(rng.normal(size=(batch, units)).astype("float32"))
+    w_mean = tf.constant(rng.normal(size=(batch, units)).astype("float32"))
+    w_cov = tf.constant(rng.normal(size=(batch, units, units)).astype("float32"))
+    steps, nodes = {}, {}
+    def step_of(form):  # (a closure: tf.function would take a default argument for an input)
+        def step(m, c):
+            with tf.GradientTape() as tape:
+                tape.watch([m, c])
+                mean_h, cov_h = form(m, c)
+                total = tf.reduce_sum(mean_h * w_mean) + tf.reduce_sum(cov_h * w_cov)
+            return tape.gradient(total, [m, c])
+        return tf.function(step)
+
+    for name, form in FORMS.items():
+        steps[name] = step_of(form)
+        nodes[name] = len(steps[name].get_concrete_function(mean, cov).graph.as_graph_def().node)
+        steps[name](mean, cov)
+    times = {name: [] for name in FORMS}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                step(mean, cov)
+            times[name].append((time.perf_counter() - start) / repeats)
+    return {name: (1e3 * float(np.median(times[name])), nodes[name]) for name in FORMS}
+
+
+def network_rows(width, batch, rounds, steps):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * steps, 1)).astype("float32")
+    y = rng.normal(size=(batch * steps,)).astype("float32")
+    models, first = {}, {}
+    real = moments._relu_paper_covariance_matrix
+    try:
+        for name, form in FORMS.items():
+            moments._relu_paper_covariance_matrix = form  # read when the step is traced (first fit)
+            keras.utils.set_random_seed(0)
+            prior = kd.EmpiricalBayesRegularizer(len(x))
+            model = keras.Sequential([keras.Input((1,)), kd.DenseDVI(width, "relu", regularizer=prior),
+                                      kd.DenseDVI(width, "relu", regularizer=prior), kd.DenseDVI(2, regularizer=prior)])
+            model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+            start = time.process_time()
+            model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
+            first[name] = time.process_time() - start
+            models[name] = model
+    finally:
+        moments._relu_paper_covariance_matrix = real
+    times = {name: [] for name in FORMS}
+    for _ in range(rounds):
+        for name, model in models.items():
+            start = time.perf_counter()
+            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: (1e3 * float(np.median(times[name])), first[name]) for name in FORMS}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    lines = ["The operation alone: mean and covariance of `relu(a)`, `a ~ N(m, S)`, forward + backward "
+             f"(`tf.function`), float32, one thread, median of {args.rounds} interleaved rounds:", "",
+             "| batch x units | form | ms | graph nodes |", "|---|---|---|---|"]
+    for batch, units in ((10, 256), (50, 128), (50, 256)):
+        for name, (ms, nodes) in operation_rows(batch, units, args.rounds, 10).items():
+            lines.append(f"| {batch} x {units} | {name} | {ms:.1f} | {nodes} |")
+    lines += ["", "Training steps of 1-w-w-2 `DenseDVI` ReLU networks (`fit`, batch 50, Adam, empirical Bayes), "
+              f"one thread, median of {args.rounds} interleaved epochs of 20 steps; the first `fit` (tracing) in CPU "
+              "seconds:", "", "| w | form | ms / step | first fit, CPU s |", "|---|---|---|---|"]
+    for width in (128, 256):
+        for name, (ms, first) in network_rows(width, 50, args.rounds, 20).items():
+            lines.append(f"| {width} | {name} | {ms:.1f} | {first:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"`python -m benchmarks.experiments.relu_covariance_gradient {' '.join(sys.argv[1:])}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
