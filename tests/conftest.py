@@ -177,7 +177,8 @@ def gradients(fn, arrays):
     if keras.backend.backend() == "jax":
         import jax
 
-        value, grads = jax.value_and_grad(lambda ts: fn(*ts))([keras.ops.convert_to_tensor(a) for a in arrays])
+        # Compiled, as JAX runs a model's steps (op by op, JAX compiles every operation on its own)
+        value, grads = jax.jit(jax.value_and_grad(lambda ts: fn(*ts)))([keras.ops.convert_to_tensor(a) for a in arrays])
         return to_numpy(value), [to_numpy(g) for g in grads]
     import tensorflow as tf
 
@@ -202,7 +203,7 @@ def model_gradients(model, inputs, loss_of_outputs=None, training=False):
             out, _, losses = model.stateless_call(values, non_trainable, inputs, training=training, return_losses=True)
             return loss_of_outputs(out) + sum(losses), out
 
-        (_, out), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+        (_, out), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(trainable)
         return to_numpy(out), [to_numpy(g) for g in grads]
     import tensorflow as tf
 
