@@ -2,12 +2,16 @@
 
     python -m benchmarks.experiments.relu_covariance_gradient --out benchmarks/results/relu_covariance_gradient.md
 
+    KERAS_BACKEND=jax python -m benchmarks.experiments.relu_covariance_gradient --out benchmarks/results/relu_covariance_gradient_jax.md
+
 `activation_covariance(mean, cov, "relu", "paper")` (what `DenseDVI` and `SkipDVI` compute by
 default) runs in one pass with a closed-form gradient. This script times it against the same
 matrix assembled from the elementwise `activation_moments` and `cross_covariance`, whose gradient
-TensorFlow derives by autodiff (the former implementation), interleaved in one process so the
-machine's drift cancels: the operation alone (forward + backward, compiled, graph nodes) and
-whole `DenseDVI` networks' training steps (`fit`, Adam, empirical Bayes), one CPU thread.
+the backend derives by autodiff (the former implementation), interleaved in one process so the
+machine's drift cancels: the operation alone (forward + backward, compiled: `tf.function` or
+`jax.jit`; its graph nodes or jaxpr equations) and whole `DenseDVI` networks' training steps
+(`fit`, Adam, empirical Bayes); the first `fit` (tracing, and on JAX compiling) in CPU seconds.
+TensorFlow runs on one thread; JAX at its defaults.
 """
 
 import argparse
@@ -19,7 +23,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
 import keras_dvi as kd  # noqa: E402
@@ -38,26 +41,44 @@ def pairwise(mean, covariance):
 FORMS = {"hand-written gradient": moments._relu_paper_covariance_matrix, "autodiff of the pairwise form": pairwise}
 
 
+def _compiled_step(form, w_mean, w_cov):
+    """`(step, size)`: forward + backward of `form` compiled, and its graph nodes (TensorFlow) or
+    jaxpr equations (JAX)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def total(m, c):
+            mean_h, cov_h = form(m, c)
+            return ops.sum(mean_h * w_mean) + ops.sum(cov_h * w_cov)
+
+        grad = jax.grad(total, argnums=(0, 1))
+        step = jax.jit(grad)
+        return (lambda m, c: jax.block_until_ready(step(m, c))), (
+            lambda m, c: len(jax.make_jaxpr(grad)(m, c).jaxpr.eqns))
+    import tensorflow as tf
+
+    def step(m, c):
+        with tf.GradientTape() as tape:
+            tape.watch([m, c])
+            mean_h, cov_h = form(m, c)
+            total = tf.reduce_sum(mean_h * w_mean) + tf.reduce_sum(cov_h * w_cov)
+        return tape.gradient(total, [m, c])
+
+    compiled = tf.function(step)
+    return compiled, lambda m, c: len(compiled.get_concrete_function(m, c).graph.as_graph_def().node)
+
+
 def operation_rows(batch, units, rounds, repeats):
     rng = np.random.default_rng(0)
     a = rng.normal(size=(batch, units, units))
-    cov = tf.constant((a @ np.swapaxes(a, -1, -2) / units + 1e-3 * np.eye(units)).astype("float32"))
-    mean = tf.constant(rng.normal(size=(batch, units)).astype("float32"))
-    w_mean = tf.constant(rng.normal(size=(batch, units)).astype("float32"))
-    w_cov = tf.constant(rng.normal(size=(batch, units, units)).astype("float32"))
+    cov = ops.convert_to_tensor((a @ np.swapaxes(a, -1, -2) / units + 1e-3 * np.eye(units)).astype("float32"))
+    mean = ops.convert_to_tensor(rng.normal(size=(batch, units)).astype("float32"))
+    w_mean = ops.convert_to_tensor(rng.normal(size=(batch, units)).astype("float32"))
+    w_cov = ops.convert_to_tensor(rng.normal(size=(batch, units, units)).astype("float32"))
     steps, nodes = {}, {}
-    def step_of(form):  # (a closure: tf.function would take a default argument for an input)
-        def step(m, c):
-            with tf.GradientTape() as tape:
-                tape.watch([m, c])
-                mean_h, cov_h = form(m, c)
-                total = tf.reduce_sum(mean_h * w_mean) + tf.reduce_sum(cov_h * w_cov)
-            return tape.gradient(total, [m, c])
-        return tf.function(step)
-
     for name, form in FORMS.items():
-        steps[name] = step_of(form)
-        nodes[name] = len(steps[name].get_concrete_function(mean, cov).graph.as_graph_def().node)
+        steps[name], size = _compiled_step(form, w_mean, w_cov)
+        nodes[name] = size(mean, cov)
         steps[name](mean, cov)
     times = {name: [] for name in FORMS}
     for _ in range(rounds):
@@ -103,17 +124,23 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (the median is reported)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    lines = ["The operation alone: mean and covariance of `relu(a)`, `a ~ N(m, S)`, forward + backward "
-             f"(`tf.function`), float32, one thread, median of {args.rounds} interleaved rounds:", "",
-             "| batch x units | form | ms | graph nodes |", "|---|---|---|---|"]
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    threads = "one thread" if backend == "tensorflow" else "JAX's default threads"
+    lines = [f"{backend}. The operation alone: mean and covariance of `relu(a)`, `a ~ N(m, S)`, forward + "
+             f"backward (compiled), float32, {threads}, median of {args.rounds} interleaved rounds:", "",
+             "| batch x units | form | ms | graph nodes (TensorFlow) / jaxpr equations (JAX) |", "|---|---|---|---|"]
     for batch, units in ((10, 256), (50, 128), (50, 256)):
         for name, (ms, nodes) in operation_rows(batch, units, args.rounds, 10).items():
             lines.append(f"| {batch} x {units} | {name} | {ms:.1f} | {nodes} |")
     lines += ["", "Training steps of 1-w-w-2 `DenseDVI` ReLU networks (`fit`, batch 50, Adam, empirical Bayes), "
-              f"one thread, median of {args.rounds} interleaved epochs of 20 steps; the first `fit` (tracing) in CPU "
-              "seconds:", "", "| w | form | ms / step | first fit, CPU s |", "|---|---|---|---|"]
+              f"{threads}, median of {args.rounds} interleaved epochs of 20 steps; the first `fit` (tracing"
+              + (", compiling" if backend == "jax" else "") + ") in CPU seconds:", "",
+              "| w | form | ms / step | first fit, CPU s |", "|---|---|---|---|"]
     for width in (128, 256):
         for name, (ms, first) in network_rows(width, 50, args.rounds, 20).items():
             lines.append(f"| {width} | {name} | {ms:.1f} | {first:.2f} |")
