@@ -159,10 +159,11 @@ APPLICATIONS = {
 #: by 7% when its input moves by 1e-7 (float round-off then decides its logits, measured in
 #: thousands). Their batch normalisation is calibrated on a batch (a normalised network, as
 #: after training), which leaves the statistics and scales far from their initial values.
-#: (Calibrated, other families differ from the plain probabilities by 4-6e-5, over `atol`: ResNet50V2 by the ReLUs'
-#: Jensen gap, its 1e-12 weight variances grown by the calibrated scales, plus the variance
-#: floor's standard deviation of 1e-6 at every unit - in float64 3.9e-5, 8e-6 with variances of
-#: 1e-16, 7e-15 with the floor lowered too; MobileNetV3Small by float32 round-off, 8e-9 in float64.)
+#: (Calibrated, other families differ from the plain probabilities by 4-6e-5, over `atol`:
+#: ResNet50V2 by the ReLUs' Jensen gap, its 1e-12 weight variances grown by the calibrated
+#: scales, plus the variance floor's standard deviation of 1e-6 at every unit - in float64
+#: 3.9e-5, 8e-6 with variances of 1e-16, 7e-15 with the floor lowered too; MobileNetV3Small by
+#: float32 round-off, 8e-9 in float64.)
 CHAOTIC_UNCALIBRATED = ("EfficientNetV2B0",)
 
 
