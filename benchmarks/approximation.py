@@ -20,7 +20,6 @@ both ways). Reported, as the largest over inputs and both output units:
 import argparse
 import itertools
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -29,6 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from benchmarks.report import report  # noqa: E402
 import keras_dvi as kd  # noqa: E402
 
 
@@ -96,11 +96,7 @@ def main(argv=None):
     ]
     for r in rows:
         lines.append("| " + " | ".join(str(v) for v in r[:5]) + f" | {r[5]:.3f} | {r[6]:.3f} | {r[7]:.3f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"`python -m benchmarks.approximation {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
+    report("\n".join(lines), args.out, "benchmarks.approximation", argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -32,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.report import report  # noqa: E402
 import keras_dvi as kd  # noqa: E402
 from keras_dvi.packing import pack  # noqa: E402
 
@@ -202,11 +202,7 @@ def cnn_main(args):
              "| network | ms / step | ratio to plain CNN |", "|---|---|---|"]
     for name, t in times.items():
         lines.append(f"| {name} | {1e3 * t:.1f} | {t / base:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"`python -m benchmarks.runtime {' '.join(sys.argv[1:])}`\n\n{text}\n")
+    report("\n".join(lines), args.out, "benchmarks.runtime")
 
 
 def main(argv=None):
@@ -286,11 +282,7 @@ def main(argv=None):
             lines.append(f"| {name} | {1e3 * t:.2f} | {t / base:.1f} |")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lines += ["", f"Peak resident memory of the benchmark process: {peak:.0f} MB."]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"`python -m benchmarks.runtime {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{text}\n")
+    report("\n".join(lines), args.out, "benchmarks.runtime", argv)
 
 
 if __name__ == "__main__":

@@ -442,17 +442,6 @@ def test_activation_covariance_assembles_cross_and_diagonal_terms(activation):
     np.testing.assert_allclose(cov_h, np.swapaxes(cov_h, -1, -2), atol=1e-12)
 
 
-def _pairwise_relu_paper(mean, cov):
-    """`activation_covariance(..., "relu", "paper")` assembled from the elementwise functions (the
-    oracle of the one-pass form's hand-written gradient: autodiff differentiates these)."""
-    ops = keras.ops
-    variance = moments.diagonal(cov)
-    mean_h, var_h = moments.activation_moments(mean, variance, "relu")
-    off = moments.cross_covariance(ops.expand_dims(mean, -1), ops.expand_dims(mean, -2), ops.expand_dims(variance, -1),
-                                   ops.expand_dims(variance, -2), cov, "relu", "paper")
-    return mean_h, ops.where(ops.cast(ops.eye(ops.shape(mean)[-1]), "bool"), ops.expand_dims(var_h, -1), off)
-
-
 def _relu_paper_cases(rng):
     """`(label, mean, covariance)`: random, large means, independent units (rho = 0), a unit of
     zero variance, rank one (rho = +-1), means clipped at MU_MAX."""
@@ -473,6 +462,9 @@ def test_relu_paper_covariance_gradient_matches_autodiff_and_finite_differences(
     """ReLU's one-pass paper covariance (the layers' default) and its hand-written gradient: the
     values are the pairwise functions', the gradient autodiff's of the pairwise functions (to
     round-off, at every edge, finite), and, in float64, central finite differences'."""
+    assert moments.get_activation("relu").paper_covariance_matrix is moments._relu_paper_covariance_matrix
+    one_pass = lambda m, c: moments.activation_covariance(m, c, "relu", "paper")  # noqa: E731
+    pairwise = lambda m, c: moments._pairwise_activation_covariance(m, c, "relu", "paper")  # noqa: E731
     rng = np.random.default_rng(7)
     for label, mean, cov in _relu_paper_cases(rng):
         mean, cov = mean.astype(floatx), cov.astype(floatx)
@@ -484,9 +476,8 @@ def test_relu_paper_covariance_gradient_matches_autodiff_and_finite_differences(
                 return keras.ops.sum(mean_h * w_mean) + keras.ops.sum(cov_h * w_cov)
             return total
 
-        one_pass = lambda m, c: moments.activation_covariance(m, c, "relu", "paper")  # noqa: E731
         value, (g_mean, g_cov) = gradients(objective(one_pass), [mean, cov])
-        want, (want_mean, want_cov) = gradients(objective(_pairwise_relu_paper), [mean, cov])
+        want, (want_mean, want_cov) = gradients(objective(pairwise), [mean, cov])
         tol = 1e-6 if floatx == "float32" else 1e-12
         np.testing.assert_allclose(value, want, rtol=tol, err_msg=label)
         assert np.isfinite(g_mean).all() and np.isfinite(g_cov).all(), label

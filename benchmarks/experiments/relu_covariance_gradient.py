@@ -15,8 +15,9 @@ TensorFlow runs on one thread; JAX at its defaults.
 """
 
 import argparse
+import contextlib
+import dataclasses
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -27,28 +28,38 @@ from keras import ops  # noqa: E402
 
 import keras_dvi as kd  # noqa: E402
 from keras_dvi.maths import moments  # noqa: E402
+from benchmarks.report import report  # noqa: E402
 
 
-def pairwise(mean, covariance):
-    """The former form: the diagonal and the pairwise covariances, differentiated by autodiff."""
-    variance = moments.diagonal(covariance)
-    mean_h, var_h = moments.activation_moments(mean, variance, "relu")
-    off = moments.cross_covariance(ops.expand_dims(mean, -1), ops.expand_dims(mean, -2), ops.expand_dims(variance, -1),
-                                   ops.expand_dims(variance, -2), covariance, "relu", "paper")
-    return mean_h, ops.where(ops.cast(ops.eye(ops.shape(mean)[-1]), "bool"), ops.expand_dims(var_h, -1), off)
+#: The two forms, as `"relu"` entries of the activation registry: the one-pass form, and the
+#: same entry without it (`activation_covariance` then assembles the matrix pair by pair).
+RELU = moments.get_activation("relu")
+FORMS = {"hand-written gradient": RELU,
+         "autodiff of the pairwise form": dataclasses.replace(RELU, paper_covariance_matrix=None)}
 
 
-FORMS = {"hand-written gradient": moments._relu_paper_covariance_matrix, "autodiff of the pairwise form": pairwise}
+@contextlib.contextmanager
+def relu_as(entry):
+    """While open, ReLU's covariance is computed with `entry` (what a step traced meanwhile keeps)."""
+    moments._ACTIVATIONS["relu"] = entry
+    try:
+        yield
+    finally:
+        moments._ACTIVATIONS["relu"] = RELU
 
 
-def _compiled_step(form, w_mean, w_cov):
-    """`(step, size)`: forward + backward of `form` compiled, and its graph nodes (TensorFlow) or
-    jaxpr equations (JAX)."""
+def relu_covariance(mean, covariance):
+    return moments.activation_covariance(mean, covariance, "relu", "paper")
+
+
+def _compiled_step(w_mean, w_cov):
+    """`(step, size)`: forward + backward of ReLU's covariance compiled, and its graph nodes
+    (TensorFlow) or jaxpr equations (JAX)."""
     if keras.backend.backend() == "jax":
         import jax
 
         def total(m, c):
-            mean_h, cov_h = form(m, c)
+            mean_h, cov_h = relu_covariance(m, c)
             return ops.sum(mean_h * w_mean) + ops.sum(cov_h * w_cov)
 
         grad = jax.grad(total, argnums=(0, 1))
@@ -60,7 +71,7 @@ def _compiled_step(form, w_mean, w_cov):
     def step(m, c):
         with tf.GradientTape() as tape:
             tape.watch([m, c])
-            mean_h, cov_h = form(m, c)
+            mean_h, cov_h = relu_covariance(m, c)
             total = tf.reduce_sum(mean_h * w_mean) + tf.reduce_sum(cov_h * w_cov)
         return tape.gradient(total, [m, c])
 
@@ -76,10 +87,11 @@ def operation_rows(batch, units, rounds, repeats):
     w_mean = ops.convert_to_tensor(rng.normal(size=(batch, units)).astype("float32"))
     w_cov = ops.convert_to_tensor(rng.normal(size=(batch, units, units)).astype("float32"))
     steps, nodes = {}, {}
-    for name, form in FORMS.items():
-        steps[name], size = _compiled_step(form, w_mean, w_cov)
-        nodes[name] = size(mean, cov)
-        steps[name](mean, cov)
+    for name, entry in FORMS.items():
+        with relu_as(entry):  # traced and compiled with it
+            steps[name], size = _compiled_step(w_mean, w_cov)
+            nodes[name] = size(mean, cov)
+            steps[name](mean, cov)
     times = {name: [] for name in FORMS}
     for _ in range(rounds):
         for name, step in steps.items():
@@ -95,21 +107,17 @@ def network_rows(width, batch, rounds, steps):
     x = rng.normal(size=(batch * steps, 1)).astype("float32")
     y = rng.normal(size=(batch * steps,)).astype("float32")
     models, first = {}, {}
-    real = moments._relu_paper_covariance_matrix
-    try:
-        for name, form in FORMS.items():
-            moments._relu_paper_covariance_matrix = form  # read when the step is traced (first fit)
-            keras.utils.set_random_seed(0)
-            prior = kd.EmpiricalBayesRegularizer(len(x))
-            model = keras.Sequential([keras.Input((1,)), kd.DenseDVI(width, "relu", regularizer=prior),
-                                      kd.DenseDVI(width, "relu", regularizer=prior), kd.DenseDVI(2, regularizer=prior)])
-            model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
-            start = time.process_time()
+    for name, entry in FORMS.items():
+        keras.utils.set_random_seed(0)
+        prior = kd.EmpiricalBayesRegularizer(len(x))
+        model = keras.Sequential([keras.Input((1,)), kd.DenseDVI(width, "relu", regularizer=prior),
+                                  kd.DenseDVI(width, "relu", regularizer=prior), kd.DenseDVI(2, regularizer=prior)])
+        model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+        start = time.process_time()
+        with relu_as(entry):  # the training step is traced in the first fit
             model.fit(x[:batch], y[:batch], batch_size=batch, epochs=1, verbose=0)
-            first[name] = time.process_time() - start
-            models[name] = model
-    finally:
-        moments._relu_paper_covariance_matrix = real
+        first[name] = time.process_time() - start
+        models[name] = model
     times = {name: [] for name in FORMS}
     for _ in range(rounds):
         for name, model in models.items():
@@ -144,11 +152,7 @@ def main(argv=None):
     for width in (128, 256):
         for name, (ms, first) in network_rows(width, 50, args.rounds, 20).items():
             lines.append(f"| {width} | {name} | {ms:.1f} | {first:.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"`python -m benchmarks.experiments.relu_covariance_gradient {' '.join(sys.argv[1:])}`\n\n{text}\n")
+    report("\n".join(lines), args.out, "benchmarks.experiments.relu_covariance_gradient", argv)
 
 
 if __name__ == "__main__":

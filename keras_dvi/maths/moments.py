@@ -26,6 +26,7 @@ Numerical design (tested at the edges):
 
 import dataclasses
 import math
+import types
 from collections.abc import Callable
 
 import keras
@@ -279,16 +280,17 @@ def _relu_unit_statistics(mean, variance):
 
 def _relu_unit_gradient(g_mean, g_var, g_slope, variance, statistics):
     """The gradient in `(mean, variance)` of `(E[h], Var[h], Phi(mu))` of ReLU units, against the
-    upstream gradients `g_*` (see `_relu_moments_and_slope`); `statistics` is
-    `_relu_unit_statistics`'."""
+    upstream gradients `g_*` (`g_slope` `None`: the slope is not an output; see
+    `_relu_moments_and_slope`); `statistics` is `_relu_unit_statistics`'."""
     std, mu, pdf, cdf, upper, mean_h, ratio = statistics
     pdf_over_std = pdf / std
-    live = variance > VARIANCE_FLOOR
-    d_mean = g_mean * cdf + g_var * (2.0 * mean_h * upper) + g_slope * pdf_over_std
+    d_mean = g_mean * cdf + g_var * (2.0 * mean_h * upper)
+    d_live_variance = g_mean * (0.5 * pdf_over_std) + g_var * (cdf - mean_h * pdf_over_std)
+    if g_slope is not None:
+        d_mean = d_mean + g_slope * pdf_over_std
+        d_live_variance = d_live_variance - g_slope * (0.5 * mu / std) * pdf_over_std
     d_variance = ops.where(
-        live,
-        g_mean * (0.5 * pdf_over_std) + g_var * (cdf - mean_h * pdf_over_std) - g_slope * (0.5 * mu / std) * pdf_over_std,
-        g_var * ratio * ops.cast(variance >= 0.0, variance.dtype),
+        variance > VARIANCE_FLOOR, d_live_variance, g_var * ratio * ops.cast(variance >= 0.0, variance.dtype)
     )
     return d_mean, d_variance
 
@@ -598,21 +600,19 @@ def _third(function):
 
 
 def _paper_relu_covariance(mean_j, mean_l, std_j, std_l, cov_jl, rho, mu_j, mu_l):
-    # Cov = S_jl Phi_j Phi_l + std_j std_l (rho g / 2 pi) exp(-c1 (mu_j^2 + mu_l^2) + c2 mu_j mu_l)
-    # with g = rho G, G = arcsin(rho)/rho - 1/(1 + rho_bar), c1 = 1/(2 G (1 + rho_bar)) and
-    # c2 = (arcsin(rho) - rho)/(g rho) = (arcsin(rho)/rho - 1)/(rho G): the corrected Table 1
-    # (note the minus sign in g and the factor rho in the prefactor).
-    g_over_rho, c1, c2, _, _ = _paper_relu_coefficients(_coefficient_correlation(rho))
-    exponent = c2 * mu_j * mu_l - c1 * (ops.square(mu_j) + ops.square(mu_l))
-    # std_j std_l rho^2 == S_jl rho (rho clipped only where that makes no difference).
-    correction = (cov_jl * rho) * (g_over_rho / _TWO_PI) * ops.exp(exponent)
-    return cov_jl * (normal_cdf(mu_j) * normal_cdf(mu_l)) + correction
+    return _paper_relu_terms(cov_jl, rho, mu_j, mu_l, normal_cdf(mu_j), normal_cdf(mu_l))[0]
 
 
-def _paper_relu_coefficients(rho_c):
-    """The corrected Table 1's coefficients of the paper's ReLU correction at the correlations
-    `rho_c` (`_coefficient_correlation`): `(G = g / rho, c1, c2)`, with `rho_bar` and `asinc`
-    for their derivatives."""
+def _paper_relu_terms(cov_jl, rho, mu_j, mu_l, cdf_j, cdf_l):
+    """The paper's ReLU covariance `S_jl Phi_j Phi_l + T` (corrected Table 1), and in a namespace
+    the terms of it that its hand-written gradient reuses (`_relu_paper_covariance_matrix`).
+
+    `T = std_j std_l (rho g / 2 pi) exp(-c1 (mu_j^2 + mu_l^2) + c2 mu_j mu_l)` with `g = rho G`,
+    `G = arcsin(rho)/rho - 1/(1 + rho_bar)`, `c1 = 1/(2 G (1 + rho_bar))` and
+    `c2 = (arcsin(rho) - rho)/(g rho) = (arcsin(rho)/rho - 1)/(rho G)` (note the minus sign in
+    `g` and the factor `rho` in the prefactor). The coefficients take `rho_c`
+    (`_coefficient_correlation`), the prefactor the true `rho`."""
+    rho_c = _coefficient_correlation(rho)
     # rho_bar of rho_c (not rho) serves the arcsin too; they differ only where |rho| < 1e-3
     # (float32), by less than 5e-7, in a term multiplied by rho^2.
     rho_bar = ops.sqrt((1.0 - rho_c) * (1.0 + rho_c))
@@ -621,7 +621,17 @@ def _paper_relu_coefficients(rho_c):
     g_over_rho = asinc - 1.0 / one_plus_rho_bar
     c1 = 0.5 / (g_over_rho * one_plus_rho_bar)
     c2 = (asinc - 1.0) / (rho_c * g_over_rho)
-    return g_over_rho, c1, c2, rho_bar, asinc
+    mu_outer = mu_j * mu_l
+    square_sum = ops.square(mu_j) + ops.square(mu_l)
+    exp_e = ops.exp(c2 * mu_outer - c1 * square_sum)
+    scaled = (g_over_rho / _TWO_PI) * exp_e  # (G / 2 pi) e^E
+    cdf_outer = cdf_j * cdf_l
+    # std_j std_l rho^2 == S_jl rho (rho clipped only where that makes no difference).
+    correction = (cov_jl * rho) * scaled
+    terms = types.SimpleNamespace(rho_c=rho_c, rho_bar=rho_bar, one_plus_rho_bar=one_plus_rho_bar, asinc=asinc,
+                                  g_over_rho=g_over_rho, c1=c1, c2=c2, mu_outer=mu_outer, square_sum=square_sum,
+                                  exp_e=exp_e, scaled=scaled, cdf_outer=cdf_outer, correction=correction)
+    return cov_jl * cdf_outer + correction, terms
 
 
 @ops.custom_gradient
@@ -629,7 +639,7 @@ def _relu_paper_covariance_matrix(mean, covariance):
     """`activation_covariance(mean, covariance, "relu", "paper")` in one pass, with its
     closed-form gradient.
 
-    The forward pass is `activation_moments` on the diagonal and `_paper_relu_covariance` off
+    The forward pass is `activation_moments` on the diagonal and `_paper_relu_terms` off
     it, with each unit's `sqrt(S)`, `mu`, `phi` and `Phi` computed once (not once per row and
     column). The gradient differentiates the corrected Table 1 by hand: with
     `T = S_jl rho (G / 2 pi) e^E` the correction and `E = c2 mu_j mu_l - c1 (mu_j^2 + mu_l^2)`,
@@ -639,8 +649,9 @@ def _relu_paper_covariance_matrix(mean, covariance):
     rule through `mu_j = m_j / sqrt(S_jj)` and `rho = S_jl / sqrt(S_jj S_ll)`; the diagonal's
     is `_relu_moments_and_slope`'s. Clipped and floored quantities pass no gradient, as autodiff
     of the forward pass gives. Half the graph operations of autodiff through the pairwise
-    functions, and a quarter to a half less time (`benchmarks/experiments/relu_covariance_gradient.py`);
-    checked against that autodiff and against finite differences in `tests/test_moments.py`."""
+    functions (`_pairwise_activation_covariance`), and a quarter to a half less time
+    (`benchmarks/experiments/relu_covariance_gradient.py`); checked against that autodiff and
+    against finite differences in `tests/test_moments.py`."""
     dtype = mean.dtype
     on_diagonal = _diagonal_mask(ops.shape(mean)[-1])
     variance = diagonal(covariance)
@@ -657,34 +668,23 @@ def _relu_paper_covariance_matrix(mean, covariance):
     std_outer = row(std) * col(std)
     rho_raw = covariance / std_outer
     rho = clip_correlation(rho_raw)
-    rho_c = _coefficient_correlation(rho)
-    g_over_rho, c1, c2, rho_bar, asinc = _paper_relu_coefficients(rho_c)
-    mu_j, mu_l = row(mu), col(mu)
-    cdf_j, cdf_l = row(cdf), col(cdf)
-    mu_outer = mu_j * mu_l
-    square_sum = ops.square(mu_j) + ops.square(mu_l)
-    exp_e = ops.exp(c2 * mu_outer - c1 * square_sum)
-    scaled = (g_over_rho / _TWO_PI) * exp_e  # (G / 2 pi) e^E
-    cdf_outer = cdf_j * cdf_l
-    correction = (covariance * rho) * scaled
-    off = covariance * cdf_outer + correction
+    off, t = _paper_relu_terms(covariance, rho, row(mu), col(mu), row(cdf), col(cdf))
     cov_h = ops.where(on_diagonal, row(var_h), off)
 
     def grad(*upstream):
         if len(upstream) == 1:  # JAX passes the outputs' cotangents as one tuple
             upstream = upstream[0]
         g_mean_h, g_cov_h = (ops.zeros_like(x) if g is None else g for g, x in zip(upstream, (mean_h, cov_h)))
-        zero_units = ops.zeros_like(g_mean_h)
         g_off = ops.where(on_diagonal, ops.zeros_like(g_cov_h), g_cov_h)
         # The diagonal (E[h], Var[h]): `_relu_moments_and_slope`'s gradient.
-        d_mean, d_variance = _relu_unit_gradient(g_mean_h, diagonal(g_cov_h), zero_units, variance, statistics)
+        d_mean, d_variance = _relu_unit_gradient(g_mean_h, diagonal(g_cov_h), None, variance, statistics)
         # Off the diagonal: the partial derivatives of C_jl in mu_j, mu_l, rho and S_jl, summed
         # against the upstream gradient (the mu's as products with vectors, not K x K passes):
         # sum_l g_jl dC_jl/dmu_j = phi_j (g S Phi)_j + (g T c2 mu)_j - 2 mu_j (g T c1 1)_j.
         g_s = g_off * covariance
-        g_t = g_off * correction
-        g_t_c1 = g_t * c1
-        g_t_c2 = g_t * c2
+        g_t = g_off * t.correction
+        g_t_c1 = g_t * t.c1
+        g_t_c2 = g_t * t.c2
 
         def by_rows(matrix, vector):  # sum_l matrix_jl vector_l
             return ops.squeeze(ops.matmul(matrix, ops.expand_dims(vector, -1)), -1)
@@ -694,24 +694,25 @@ def _relu_paper_covariance_matrix(mean, covariance):
 
         g_mu = (pdf * (by_rows(g_s, cdf) + by_columns(g_s, cdf)) + by_rows(g_t_c2, mu) + by_columns(g_t_c2, mu)
                 - 2.0 * mu * (ops.sum(g_t_c1, axis=-1) + ops.sum(g_t_c1, axis=-2)))
-        one_plus_rho_bar = 1.0 + rho_bar
-        d_asinc = (1.0 / rho_bar - asinc) / rho_c
+        # The coefficients' derivatives in rho_c: asinc' = (1/rho_bar - asinc)/rho_c, then G', c1', c2'.
+        rho_c, rho_bar, one_plus_rho_bar = t.rho_c, t.rho_bar, t.one_plus_rho_bar
+        d_asinc = (1.0 / rho_bar - t.asinc) / rho_c
         d_g = d_asinc - rho_c / (rho_bar * ops.square(one_plus_rho_bar))
-        d_g_over_g = d_g / g_over_rho
-        d_c1 = -c1 * (d_g_over_g - rho_c / (rho_bar * one_plus_rho_bar))
-        d_c2 = d_asinc / (rho_c * g_over_rho) - c2 * (1.0 / rho_c + d_g_over_g)
-        d_exponent = d_c2 * mu_outer - d_c1 * square_sum
+        d_g_over_g = d_g / t.g_over_rho
+        d_c1 = -t.c1 * (d_g_over_g - rho_c / (rho_bar * one_plus_rho_bar))
+        d_c2 = d_asinc / (rho_c * t.g_over_rho) - t.c2 * (1.0 / rho_c + d_g_over_g)
+        d_exponent = d_c2 * t.mu_outer - d_c1 * t.square_sum
         through_coefficients = ops.cast(ops.equal(rho_c, rho), dtype)  # 0 where rho_c was moved off 0
-        by_rho = covariance * (scaled + through_coefficients * (rho * exp_e / _TWO_PI) * (d_g + g_over_rho * d_exponent))
+        by_rho = covariance * (t.scaled + through_coefficients * (rho * t.exp_e / _TWO_PI)
+                               * (d_g + t.g_over_rho * d_exponent))
         # The chain rule: rho = clip(S_jl / (s_j s_l)), mu = clip(m / s), s = sqrt(max(S_jj, floor)).
         g_rho = g_off * by_rho * ops.cast(ops.abs(rho_raw) <= 1.0 - _rho_eps(dtype), dtype)
-        d_covariance = g_off * (cdf_outer + rho * scaled) + g_rho / std_outer
-        live_mu = ops.cast(ops.abs(mu) < MU_MAX, dtype)  # mu = clip(m / s): none where clipped
-        g_mu = g_mu * live_mu
+        d_covariance = g_off * (t.cdf_outer + rho * t.scaled) + g_rho / std_outer
+        g_mu = g_mu * ops.cast(ops.abs(mu) < MU_MAX, dtype)  # mu = clip(m / s): none where clipped
         g_rho_rho = g_rho * rho
         g_std = -(g_mu * mu + ops.sum(g_rho_rho, axis=-1) + ops.sum(g_rho_rho, axis=-2)) / std
         d_mean = d_mean + g_mu / std
-        d_variance = d_variance + ops.where(variance > VARIANCE_FLOOR, g_std * (0.5 / std), zero_units)
+        d_variance = d_variance + ops.where(variance > VARIANCE_FLOOR, g_std * (0.5 / std), ops.zeros_like(g_std))
         return d_mean, d_covariance + diag_embed(d_variance)
 
     return (mean_h, cov_h), grad
@@ -909,8 +910,15 @@ def activation_covariance(mean, covariance, activation, method="paper"):
     entry = get_activation(activation)
     if entry.identity:
         return mean, covariance
-    if entry.name == "relu" and canonical_method(method) == "paper":  # the layers' default: one pass, hand gradient
-        return _relu_paper_covariance_matrix(mean, covariance)
+    method = canonical_method(method)
+    if method == "paper" and entry.paper_covariance_matrix is not None:
+        return entry.paper_covariance_matrix(mean, covariance)
+    return _pairwise_activation_covariance(mean, covariance, activation, method)
+
+
+def _pairwise_activation_covariance(mean, covariance, activation, method):
+    """`activation_covariance` assembled from `activation_moments` on the diagonal and
+    `cross_covariance` for every pair off it (differentiated by autodiff)."""
     variance = diagonal(covariance)
     mean_h, var_h = activation_moments(mean, variance, activation)
     off = cross_covariance(
@@ -1044,6 +1052,9 @@ class Activation:
         bounded: whether `f` is bounded (Heaviside, ReLU6, the sigmoids). After depthwise
             convolutions block after block an unbounded nonlinear `f` makes the moments fall
             far short of Monte Carlo's (EfficientNets; `keras_dvi.convert` warns).
+        paper_covariance_matrix: `(mean, covariance) -> (mean_h, covariance_h)`,
+            `activation_covariance` with `"paper"` for whole matrices in one pass (a
+            hand-written gradient), or `None`: it is then assembled pair by pair.
     """
 
     name: str
@@ -1054,6 +1065,7 @@ class Activation:
     identity: bool = False
     moments_and_slope: Callable | None = None
     bounded: bool = False
+    paper_covariance_matrix: Callable | None = None
 
     def __post_init__(self):
         if self.moments_and_slope is not None:  # frozen: fill the parts through object.__setattr__
@@ -1071,7 +1083,7 @@ _ACTIVATIONS = {
         Activation("linear", lambda x: x, lambda m, v: (m, v), lambda m, v: ops.ones_like(m),
                    _linear_covariance, identity=True),
         Activation("relu", ops.relu, _relu_moments, _relu_derivative, _relu_covariance,
-                   moments_and_slope=_relu_moments_and_slope),
+                   moments_and_slope=_relu_moments_and_slope, paper_covariance_matrix=_relu_paper_covariance_matrix),
         Activation("heaviside", lambda x: ops.cast(x > 0, x.dtype), _heaviside_moments,
                    _heaviside_derivative, _heaviside_covariance, bounded=True),
         Activation("leaky_relu", lambda x: ops.leaky_relu(x, negative_slope=LEAKY_SLOPE),
