@@ -60,31 +60,28 @@ class ELBOTracker(keras.metrics.Metric):
     and a warning says so, with the cause and the fixes.
     """
 
+    #: The entries of the running totals (one variable, so that a network's tracker is one
+    #: variable to create and one update per step): batch mean `nll`, `kl`, steps, and for
+    #: classifiers the information, the spread, `log C` and the classified steps.
+    NLL, KL, STEPS, INFORMATION, SPREAD, LOG_CLASSES, CLASSIFIED = range(7)
+
     def __init__(self, name="elbo", dtype="float32"):
         super().__init__(name=name, dtype=dtype)
-        self.nll_total = self.add_variable(shape=(), initializer="zeros", name="nll_total")
-        self.kl_total = self.add_variable(shape=(), initializer="zeros", name="kl_total")
-        self.steps = self.add_variable(shape=(), initializer="zeros", name="steps")
-        self.information_total = self.add_variable(shape=(), initializer="zeros", name="information_total")
-        self.spread_total = self.add_variable(shape=(), initializer="zeros", name="spread_total")
-        self.log_classes_total = self.add_variable(shape=(), initializer="zeros", name="log_classes_total")
-        self.classified_steps = self.add_variable(shape=(), initializer="zeros", name="classified_steps")
+        self.totals = self.add_variable(shape=(7,), initializer="zeros", name="totals")
         self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
 
     def update_state(self, nll, kl, probabilities=None):
         """Adds a step's batch mean `nll` and its `kl`; `probabilities`: a classifier's predicted
         class probabilities `(batch, C)` (for the collapse check), or `None`."""
-        self.nll_total.assign_add(ops.cast(nll, self.dtype))
-        self.kl_total.assign_add(ops.cast(kl, self.dtype))
-        self.steps.assign_add(ops.cast(1.0, self.dtype))
-        if probabilities is not None:
+        step = [ops.cast(nll, self.dtype), ops.cast(kl, self.dtype), ops.ones((), self.dtype)]
+        if probabilities is None:
+            step += [ops.zeros((), self.dtype)] * 4
+        else:
             probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
             information, spread = prediction_information(probabilities)
-            classification = (information, spread, math.log(int(probabilities.shape[-1])))
-            for variable, value in zip((self.information_total, self.spread_total, self.log_classes_total),
-                                       classification):
-                variable.assign_add(ops.cast(value, self.dtype))
-            self.classified_steps.assign_add(ops.cast(1.0, self.dtype))
+            step += [ops.cast(information, self.dtype), ops.cast(spread, self.dtype),
+                     ops.cast(math.log(int(probabilities.shape[-1])), self.dtype), ops.ones((), self.dtype)]
+        self.totals.assign_add(ops.stack(step))
 
     def result(self):
         """`{"nll": ..., "kl": ...}`. Keras reads it at the end of every training or test step,
@@ -98,14 +95,16 @@ class ELBOTracker(keras.metrics.Metric):
                 record.close()
                 if record.training and not getattr(self, "warned_loss", False):
                     self._warn_no_loss(record.head)
-        steps = ops.maximum(self.steps, 1.0)
-        nll = self.nll_total / steps
-        if _executing_eagerly(self.steps):
+        totals = ops.convert_to_tensor(self.totals)
+        steps = ops.maximum(totals[self.STEPS], 1.0)
+        nll = totals[self.NLL] / steps
+        if _executing_eagerly(self.totals):
             self._check_collapse(nll)
-        return {"nll": nll, "kl": self.kl_total / steps}
+        return {"nll": nll, "kl": totals[self.KL] / steps}
 
     def _check_collapse(self, nll):
-        steps = float(ops.convert_to_numpy(self.classified_steps))
+        totals = ops.convert_to_numpy(self.totals).astype("float64")
+        steps = float(totals[self.CLASSIFIED])
         head = getattr(self, "head", None)
         layer = None if head is None else head.layer()
         if steps < 1 or layer is None or getattr(self, "warned_collapse", False):
@@ -113,8 +112,8 @@ class ELBOTracker(keras.metrics.Metric):
         if layer.regularizer is None or not layer.kl_term.warmup_done():
             self.collapse_checks = 0
             return
-        information, spread, log_classes = (float(ops.convert_to_numpy(v)) / steps for v in
-                                            (self.information_total, self.spread_total, self.log_classes_total))
+        information, spread, log_classes = (float(totals[i]) / steps for i in
+                                            (self.INFORMATION, self.SPREAD, self.LOG_CLASSES))
         nll = float(ops.convert_to_numpy(nll))
         uninformed = information < COLLAPSE_INFORMATION_SHARE * max(spread, 1e-6)
         if not (uninformed or nll >= log_classes - 0.01):
@@ -169,9 +168,7 @@ class ELBOTracker(keras.metrics.Metric):
             )
 
     def reset_state(self):
-        for variable in (self.nll_total, self.kl_total, self.steps, self.information_total, self.spread_total,
-                         self.log_classes_total, self.classified_steps):
-            variable.assign(ops.zeros((), dtype=variable.dtype))
+        self.totals.assign(ops.zeros((7,), dtype=self.totals.dtype))
 
 
 def _executing_eagerly(variable):

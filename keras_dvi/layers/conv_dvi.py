@@ -206,7 +206,8 @@ class ConvDVI(BayesianLayer):
         self._report_kl(training, mean if kind == packing.DETERMINISTIC else None)
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
         moments_a = conv_moments.conv_moments(mean, kernel_mean, kernel_var, bias_mean, bias_var, variance, shared,
-                                              depthwise=self.depthwise, **self.conv.window())
+                                              depthwise=self.depthwise, conv_dtype=self.half_dtype,
+                                              **self.conv.window())
         return self.conv.restore(packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation)))
 
     def _sample(self, inputs, context):

@@ -155,7 +155,7 @@ def _through_columns(x, column, depthwise):
 
 
 def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None, variance=None,
-                 shared=None, strides=1, padding="valid", dilation_rate=1, depthwise=False):
+                 shared=None, strides=1, padding="valid", dilation_rate=1, depthwise=False, conv_dtype=None):
     """Moments of `a = conv(h, W) + b` with factorised Gaussian `W`, `b` (see module docstring).
 
     With `depthwise=True`, `W` is a depthwise kernel `(*kernel_size, in, multiplier)` (Keras'
@@ -177,14 +177,24 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
         padding: `"valid"` or `"same"`, as in `keras.ops.conv`.
         dilation_rate: as in `keras.ops.conv`.
         depthwise: whether `W` is a depthwise kernel (above).
+        conv_dtype: `None` (every convolution in the inputs' dtype), `"float16"` or
+            `"bfloat16"` (a mixed precision policy's compute dtype): the convolution of the
+            means runs in it, and under `"bfloat16"` (float32's exponent range) the
+            convolutions of variances and shared components too; under `"float16"` those stay
+            in the inputs' dtype (products of small variances, 1e-6 and below, fall under
+            float16's normal range, 6e-5). Results and all element-wise work stay in the
+            inputs' dtype.
 
     Returns:
         `(mean_a, variance_a, shared_a)`, each `(batch, *out_spatial, filters)`.
     """
     conv = functools.partial(ops.depthwise_conv if depthwise else ops.conv, strides=strides, padding=padding, data_format="channels_last",
                              dilation_rate=dilation_rate)
+    mean_conv = _in_dtype(conv, conv_dtype)
+    if conv_dtype == "bfloat16":
+        conv = mean_conv
     axes = spatial_axes(mean)
-    mean_a = conv(mean, kernel_mean)
+    mean_a = mean_conv(mean, kernel_mean)
     second = ops.square(mean) if variance is None else ops.square(mean) + variance
     var_a = conv(second, kernel_variance)
     # Cov(N[p, k], sum_p' N[p', k]) of the kernel's own noise, and its sum over p (the variance
@@ -219,6 +229,18 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
     for _ in axes:
         scale = ops.expand_dims(scale, 1)
     return mean_a, var_a, _clip_shared(numerator / scale, var_a)
+
+
+def _in_dtype(conv, dtype):
+    """`conv` run in `dtype` (operands cast to it, the result cast back), or `conv` itself if
+    `dtype` is `None`."""
+    if dtype is None:
+        return conv
+
+    def cast_conv(inputs, kernel):
+        return ops.cast(conv(ops.cast(inputs, dtype), ops.cast(kernel, dtype)), inputs.dtype)
+
+    return cast_conv
 
 
 def activation_moments(mean, variance, shared, activation):
