@@ -301,6 +301,31 @@ def test_last_layer_of_convnext_becomes_bayesian():
     np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x, training=False)), atol=1e-6)
 
 
+def test_sums_of_correlated_twins_warn_and_residual_sums_do_not():
+    """`AddDVI` takes its inputs as independent. A sum of two branches computed without weights
+    from one tensor (NASNet's pooled twins) is far from that, and `convert` says so; a residual
+    sum `x + f(x)`, whose `f` has weights, is not warned about. The warned sum's variance
+    against Monte Carlo over the weights shows why: about half (its exact value is four times
+    a pooled branch's, the independent sum's two)."""
+    inputs = keras.Input((8, 8, 2))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    pooled = [keras.layers.AveragePooling2D(3, strides=1, padding="same")(h) for _ in range(2)]
+    twins = keras.layers.Add(name="twins")(pooled)
+    residual = keras.layers.Add(name="residual")([twins, keras.layers.Conv2D(4, 3, padding="same")(twins)])
+    plain = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(residual)))
+    with pytest.warns(UserWarning, match=r"1 Add layers \(first 'twins'\) sum two branches computed without weights"):
+        converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(100))
+    probe = keras.Model(converted.inputs, converted.get_layer("twins").output)
+    x = _images(rows=2, size=8, channels=2)
+    _, variance = (to_numpy(t) for t in kd.unpack(probe(x)))
+    samples = kd.predict_samples(probe, x, 2000, seed=0).astype("float64")
+    assert 0.4 < np.median(variance / samples.var(1)) < 0.6
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        kd.convert(keras.Model(inputs, keras.layers.Add()([h, keras.layers.Conv2D(4, 3, padding="same")(h)])))
+    assert not [w for w in record if "computed without weights" in str(w.message)]
+
+
 def test_nested_models_convert_layer_by_layer():
     """A backbone nested under a head (the transfer-learning way of writing a model) and models
     nested two deep convert as one graph of their layers: copies with the plain weights (the
