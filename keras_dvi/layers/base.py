@@ -180,18 +180,9 @@ class BayesianLayer(KerasDVILayer):
         """The dtype of the moment computations: the compute dtype, but float32 under a mixed
         precision policy (`mixed_float16`, `mixed_bfloat16`): erfc, arcsin and exp of
         standardised quantities need float32 range and precision (a convolution layer's
-        convolutions may run in `half_dtype`)."""
+        convolutions may run in its `half_dtype`)."""
         dtype = keras.backend.standardize_dtype(self.compute_dtype)
         return "float32" if dtype in ("float16", "bfloat16") else dtype
-
-    @property
-    def half_dtype(self):
-        """The compute dtype of a mixed precision policy (`"float16"`, `"bfloat16"`), in which
-        the convolution layers run their convolutions of means (and under `"bfloat16"` all
-        their convolutions: `keras_dvi.conv_moments.conv_moments`' `conv_dtype`); `None`
-        otherwise."""
-        dtype = keras.backend.standardize_dtype(self.compute_dtype)
-        return dtype if dtype in ("float16", "bfloat16") else None
 
     def _posterior(self):
         """Posterior moments cast to the moment dtype."""

@@ -180,6 +180,14 @@ class ConvDVI(BayesianLayer):
     def takes_packed(self, shape):
         return len(shape) == self.rank + 3
 
+    @property
+    def half_dtype(self):
+        """The compute dtype of a mixed precision policy (`"float16"`, `"bfloat16"`), in which
+        the layer runs its convolution of the means (under `"bfloat16"` all its convolutions:
+        `keras_dvi.conv_moments.conv_moments`' `conv_dtype`); `None` otherwise."""
+        dtype = keras.backend.standardize_dtype(self.compute_dtype)
+        return dtype if dtype in ("float16", "bfloat16") else None
+
     def build(self, input_shape):
         kind, _, channels = packing.structure_of_map(self.conv.last_shape(input_shape), self.rank)
         build_kernel(self, channels, is_head=kind == packing.DETERMINISTIC)
