@@ -4,6 +4,7 @@
     python -m benchmarks.conv_speed --backends jax --rounds 5
     python -m benchmarks.conv_speed --memory               # peak memory instead (subprocesses)
     python -m benchmarks.conv_speed --source /tmp/base     # time another checkout's keras_dvi
+    python -m benchmarks.conv_speed --source /tmp/base --networks mnist_convnet --parts networks,layers --label before
 
 Two networks, each a plain Keras model and its `keras_dvi.convert` counterpart (the plain
 network's weights as posterior means, `EmpiricalBayesRegularizer`, `SoftmaxDeltaELL`):
@@ -359,7 +360,8 @@ def worker(args):
     else:
         parts = args.parts.split(",")
         record = {"backend": keras.backend.backend(), "threads": args.threads, "rounds": args.rounds,
-                  "networks": network_times(args.rounds, "layers" in parts) if "networks" in parts else [],
+                  "networks": network_times(args.rounds, "layers" in parts, args.networks.split(","))
+                  if "networks" in parts else [],
                   "operations": operation_times(args.rounds) if "operations" in parts else {}}
     record["keras_dvi"] = os.path.dirname(os.path.abspath(keras_dvi.__file__))
     print("RECORD " + json.dumps(record), flush=True)
@@ -367,7 +369,7 @@ def worker(args):
 
 def _run_worker(backend, args, extra=()):
     command = [sys.executable, "-m", "benchmarks.conv_speed", "--worker", "--threads", str(args.threads),
-               "--rounds", str(args.rounds), "--parts", args.parts, *extra]
+               "--rounds", str(args.rounds), "--parts", args.parts, "--networks", args.networks, *extra]
     if args.source:
         command += ["--source", args.source]
     run = subprocess.run(command, cwd=ROOT, env=_environment(backend, args.threads),
@@ -425,6 +427,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--parts", default="networks,layers,operations",
                         help="what to time: networks, layers (each layer of the networks), operations")
+    parser.add_argument("--networks", default=",".join(NETWORKS), help="comma-separated, of " + ", ".join(NETWORKS))
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--source", default=None, help="a checkout whose keras_dvi to time (default: this one)")
     parser.add_argument("--label", default="this checkout")
