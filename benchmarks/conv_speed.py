@@ -435,6 +435,9 @@ def main(argv=None):
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-case", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = set(args.networks.split(",")) - set(NETWORKS)
+    if unknown:
+        parser.error(f"--networks: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NETWORKS)}")
     if args.worker:
         return worker(args)
     from benchmarks import cache

@@ -60,14 +60,15 @@ class ELBOTracker(keras.metrics.Metric):
     and a warning says so, with the cause and the fixes.
     """
 
-    #: The entries of the running totals (one variable, so that a network's tracker is one
-    #: variable to create and one update per step): batch mean `nll`, `kl`, steps, and for
-    #: classifiers the information, the spread, `log C` and the classified steps.
-    NLL, KL, STEPS, INFORMATION, SPREAD, LOG_CLASSES, CLASSIFIED = range(7)
+    #: The running totals, entries of one variable (one variable to create, one update per
+    #: step): batch mean `nll`, `kl`, steps, and for classifiers the information, the spread,
+    #: `log C` and the classified steps.
+    FIELDS = ("nll", "kl", "steps", "information", "spread", "log_classes", "classified_steps")
+    NLL, KL, STEPS, INFORMATION, SPREAD, LOG_CLASSES, CLASSIFIED = range(len(FIELDS))
 
     def __init__(self, name="elbo", dtype="float32"):
         super().__init__(name=name, dtype=dtype)
-        self.totals = self.add_variable(shape=(7,), initializer="zeros", name="totals")
+        self.totals = self.add_variable(shape=(len(self.FIELDS),), initializer="zeros", name="totals")
         self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
 
     def update_state(self, nll, kl, probabilities=None):
@@ -168,7 +169,7 @@ class ELBOTracker(keras.metrics.Metric):
             )
 
     def reset_state(self):
-        self.totals.assign(ops.zeros((7,), dtype=self.totals.dtype))
+        self.totals.assign(ops.zeros_like(self.totals))
 
 
 def _executing_eagerly(variable):

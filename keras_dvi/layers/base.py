@@ -175,15 +175,6 @@ class BayesianLayer(KerasDVILayer):
             return None
         return ops.exp(2.0 * ops.convert_to_tensor(self._bias_log_std))
 
-    @property
-    def moment_dtype(self):
-        """The dtype of the moment computations: the compute dtype, but float32 under a mixed
-        precision policy (`mixed_float16`, `mixed_bfloat16`): erfc, arcsin and exp of
-        standardised quantities need float32 range and precision (a convolution layer's
-        convolutions may run in its `half_dtype`)."""
-        dtype = keras.backend.standardize_dtype(self.compute_dtype)
-        return "float32" if dtype in ("float16", "bfloat16") else dtype
-
     def _posterior(self):
         """Posterior moments cast to the moment dtype."""
         dtype = self.moment_dtype

@@ -49,6 +49,16 @@ class KerasDVILayer(keras.layers.Layer):
         tracker = self.elbo_tracker
         return super().metrics + ([tracker] if tracker is not None else [])
 
+    @property
+    def moment_dtype(self):
+        """The dtype of the moment computations: the compute dtype, but float32 under a mixed
+        precision policy (`mixed_float16`, `mixed_bfloat16`): erfc, arcsin and exp of
+        standardised quantities, and the global inducing layers' Cholesky factorisations,
+        need float32 range and precision (a convolution layer's convolutions may run in its
+        `half_dtype`)."""
+        dtype = keras.backend.standardize_dtype(self.compute_dtype)
+        return "float32" if dtype in ("float16", "bfloat16") else dtype
+
     def _reads_data(self, input_shape):
         """Whether inputs of `input_shape` are data (this is then the network's first keras-dvi
         layer), or `None` if the layer cannot tell."""

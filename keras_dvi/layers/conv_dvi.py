@@ -186,7 +186,7 @@ class ConvDVI(BayesianLayer):
         the layer runs its convolution of the means (under `"bfloat16"` all its convolutions:
         `keras_dvi.conv_moments.conv_moments`' `conv_dtype`); `None` otherwise."""
         dtype = keras.backend.standardize_dtype(self.compute_dtype)
-        return dtype if dtype in ("float16", "bfloat16") else None
+        return None if dtype == self.moment_dtype else dtype
 
     def build(self, input_shape):
         kind, _, channels = packing.structure_of_map(self.conv.last_shape(input_shape), self.rank)

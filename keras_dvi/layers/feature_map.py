@@ -146,12 +146,6 @@ class MapLayer(KerasDVILayer):
     def takes_packed(self, shape):
         return len(shape) >= 4 if self.rank is None else len(shape) == self.rank + 3
 
-    @property
-    def moment_dtype(self):
-        """float32 under a mixed precision policy, else the compute dtype (as `BayesianLayer`)."""
-        dtype = keras.backend.standardize_dtype(self.compute_dtype)
-        return "float32" if dtype in ("float16", "bfloat16") else dtype
-
     def _map_rank(self, shape):
         if self.rank is not None:
             return self.rank

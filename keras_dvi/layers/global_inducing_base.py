@@ -227,13 +227,6 @@ class GlobalInducingLayer(KerasDVILayer):
     # ---------------------------------------------------------------- maths
 
     @property
-    def moment_dtype(self):
-        """float32 under mixed precision (Cholesky factorisations need it), else the compute
-        dtype."""
-        dtype = keras.backend.standardize_dtype(self.compute_dtype)
-        return "float32" if dtype in ("float16", "bfloat16") else dtype
-
-    @property
     def log_precision(self):
         """`log lambda`, `(M,)` or `(M, units)`."""
         return self.log_precision_scale * ops.convert_to_tensor(self.scaled_log_precision)
