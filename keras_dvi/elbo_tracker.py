@@ -169,7 +169,7 @@ class ELBOTracker(keras.metrics.Metric):
             )
 
     def reset_state(self):
-        self.totals.assign(ops.zeros_like(self.totals))
+        self.totals.assign(ops.zeros(self.totals.shape, dtype=self.totals.dtype))
 
 
 def _executing_eagerly(variable):
