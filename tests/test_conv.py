@@ -693,6 +693,53 @@ def test_functional_and_subclassed_models_train_like_sequential():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_layers_built_from_keras_layers_find_their_place_in_a_subclassed_model():
+    """`from_conv`, `from_depthwise_conv` and `from_dense` build a layer before it is placed;
+    in a subclassed model its place (whether it reads the data, and so holds the network's
+    ELBO tracker) is decided at its first call. The logs and the metric list equal those of the
+    functional model of the same layers (before: every such layer held a tracker, the last one
+    logged only its own KL, under a false "no keras-dvi loss" warning)."""
+    x, labels = _classification(rows=32)
+    prior = kd.EmpiricalBayesRegularizer(32)
+    plain = keras.Sequential([keras.Input((10, 10, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.DepthwiseConv2D(3, activation="relu"), keras.layers.Flatten(),
+                              keras.layers.Dense(3)])
+
+    def converted():
+        conv, depthwise, _, dense = plain.layers
+        return [kd.Conv2DDVI.from_conv(conv, regularizer=prior),
+                kd.DepthwiseConv2DDVI.from_depthwise_conv(depthwise, regularizer=prior),
+                kd.FlattenDVI(), kd.DenseDVI.from_dense(dense, regularizer=prior)]
+
+    class Subclassed(keras.Model):
+        def __init__(self, layers):
+            super().__init__()
+            self.body = layers
+
+        def call(self, inputs):
+            for layer in self.body:
+                inputs = layer(inputs)
+            return inputs
+
+    inputs = outputs = keras.Input((10, 10, 1))
+    for layer in converted():
+        outputs = layer(outputs)
+    logs = []
+    for model in (keras.Model(inputs, outputs), Subclassed(converted())):
+        model.compile(keras.optimizers.SGD(1e-2), loss=kd.SoftmaxDeltaELL())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, labels, epochs=2, batch_size=16, shuffle=False, verbose=0).history
+        assert not [w for w in caught if "no keras-dvi loss" in str(w.message)]
+        assert [metric.name for metric in model.metrics] == ["loss", "elbo"]
+        assert [layer.elbo_tracker is not None for layer in model.layers if hasattr(layer, "elbo_tracker")] == [
+            True, False, False, False]
+        logs.append((history["nll"][-1], history["kl"][-1]))
+    assert logs[1] == pytest.approx(logs[0], rel=1e-4)
+    kl_total = sum(float(layer.kl_divergence()) for layer in model.layers if hasattr(layer, "kl_divergence"))
+    assert logs[1][1] == pytest.approx(kl_total / 32, rel=0.05)
+
+
 @pytest.mark.tensorflow_only
 def test_xla_compiled_training_matches_eager_graph():
     x, labels = _classification(rows=32)

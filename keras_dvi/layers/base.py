@@ -18,7 +18,7 @@ from keras import ops
 
 from keras_dvi import objective, packing, priors, sampling, validation
 from keras_dvi.layers.boundary import KerasDVILayer
-from keras_dvi.layers.kl_term import KLTerm
+from keras_dvi.layers.kl_term import KLTerm, build_unplaced
 from keras_dvi.maths import moments
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
@@ -420,7 +420,7 @@ class DenseBase(BayesianLayer):
             bias_variance_init=bias_variance,
             **kwargs,
         )
-        layer.build((None, int(dense.kernel.shape[0])))
+        build_unplaced(layer, (None, int(dense.kernel.shape[0])))
         layer.set_posterior(
             dense.kernel, layer.kernel_variance, dense.bias if dense.use_bias else None
         )

@@ -75,6 +75,8 @@ class KerasDVILayer(keras.layers.Layer):
     def __call__(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
         if not any(keras.utils.is_keras_tensor(t) for t in keras.tree.flatten(inputs)):  # not a symbolic build
+            if self.kl_term is not None and self.kl_term.unplaced:  # built on its own, first called here
+                reads_data_changed(self, inputs)
             if not getattr(self, "_in_symbolic_graph", False):  # (its stamps are checked at build)
                 objective.check_inputs(self, inputs)
             if getattr(self, "elbo_tracker", None) is not None or not self.built:  # the network's first layer

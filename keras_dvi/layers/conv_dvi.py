@@ -20,6 +20,7 @@ from keras_dvi.layers.feature_map import (
     standardize_data_format,
     to_channels_last,
 )
+from keras_dvi.layers.kl_term import build_unplaced
 from keras_dvi.maths import conv_moments
 
 
@@ -158,7 +159,7 @@ def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
         kernel_variance_init=kernel_variance, bias_variance_init=bias_variance, **kwargs,
     )
     channels = int(conv.kernel.shape[-2])
-    layer.build(layer.conv.restore_shape((None,) + (None,) * cls.rank + (channels,)))
+    build_unplaced(layer, layer.conv.restore_shape((None,) + (None,) * cls.rank + (channels,)))
     layer.set_posterior(conv.kernel, layer.kernel_variance, conv.bias if conv.use_bias else None)
     return layer
 

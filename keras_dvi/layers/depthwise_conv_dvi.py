@@ -6,6 +6,7 @@ import keras
 
 from keras_dvi import packing
 from keras_dvi.layers.conv_dvi import ConvDVI
+from keras_dvi.layers.kl_term import build_unplaced
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -85,7 +86,7 @@ class DepthwiseConv2DDVI(ConvDVI):
                     activation=None if activation == "linear" else activation,
                     kernel_variance_init=kernel_variance, bias_variance_init=bias_variance, **kwargs)
         channels = int(conv.kernel.shape[-2])
-        layer.build(layer.conv.restore_shape((None, None, None, channels)))
+        build_unplaced(layer, layer.conv.restore_shape((None, None, None, channels)))
         layer.set_posterior(conv.kernel, layer.kernel_variance, conv.bias if conv.use_bias else None)
         return layer
 

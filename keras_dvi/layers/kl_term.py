@@ -34,6 +34,7 @@ class KLTerm:
     def __init__(self, layer):
         self.layer = layer
         self.tracker = None  # the network's ELBOTracker, in its first keras-dvi layer only
+        self.unplaced = False  # built on its own (`build_unplaced`): its place waits for a call
         self.checked_num_train = False
         self.warned_no_prior = False
 
@@ -47,7 +48,7 @@ class KLTerm:
             layer.add_weight(name=name, shape=(), initializer="zeros", trainable=False, autocast=False)
             for name in (KL_STEP, KL_WARMUP_LENGTH)
         )
-        self.set_head(is_head)
+        self.set_head(is_head and not self.unplaced)
 
     def set_head(self, is_head):
         """Gives the layer the network's tracker if it is the network's first keras-dvi layer
@@ -145,12 +146,22 @@ class KLTerm:
             layer.kl_step.assign_add(ops.cast(1.0, layer.kl_step.dtype))
 
 
+def build_unplaced(layer, input_shape):
+    """Builds `layer` on its own, before it is placed in a network (`from_dense`, `from_conv`):
+    whether it is the network's first keras-dvi layer, and so holds the network's tracker, is
+    decided where it is placed (`reads_data_changed`), in a functional model or at its first
+    call (a subclassed model's)."""
+    layer.kl_term.unplaced = True
+    layer.build(input_shape)
+
+
 def reads_data_changed(layer, inputs):
     """Called when `layer` (with a `kl_term`) is placed in a network: a layer built on its own
-    (`from_dense`, `from_conv`) learns its place then, the first keras-dvi layer reading data."""
+    (`build_unplaced`) or reused learns its place then, the first keras-dvi layer reading data."""
     if layer.kl_term is None or not layer.built or not hasattr(layer, "kl_step"):
         return
     shapes = keras.tree.map_structure(lambda t: tuple(t.shape), inputs)
     reads = layer._reads_data(shapes)
     if reads is not None:
+        layer.kl_term.unplaced = False
         layer.kl_term.set_head(reads)
