@@ -657,26 +657,29 @@ def test_mixed_precision_convolves_in_half_precision_within_monte_carlo(policy):
     assert np.abs(cov - cov_32).max() < bound * np.abs(cov_32).max()
 
 
+class SubclassedModel(keras.Model):
+    """A subclassed model of a list of layers, whose `call(self, inputs)` passes no `training` on."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.body = layers
+
+    def call(self, inputs):
+        for layer in self.body:
+            inputs = layer(inputs)
+        return inputs
+
+
 def test_functional_and_subclassed_models_train_like_sequential():
     """A subclassed CNN whose `call(self, inputs)` passes no `training` on: the same logs and
     weights as the `Sequential` of the same layers from the same start."""
     x, labels = _classification(rows=32)
     prior = kd.EmpiricalBayesRegularizer(32)
 
-    class Subclassed(keras.Model):
-        def __init__(self, layers):
-            super().__init__()
-            self.body = layers
-
-        def call(self, inputs):
-            for layer in self.body:
-                inputs = layer(inputs)
-            return inputs
-
     sequential = _cnn(prior)
     weights = sequential.get_weights()
     clone = _cnn(prior)
-    subclassed = Subclassed(clone.layers)
+    subclassed = SubclassedModel(clone.layers)
     subclassed(x[:1])
     subclassed.set_weights(weights)
     inputs = keras.Input((10, 10, 1))
@@ -711,21 +714,11 @@ def test_layers_built_from_keras_layers_find_their_place_in_a_subclassed_model()
                 kd.DepthwiseConv2DDVI.from_depthwise_conv(depthwise, regularizer=prior),
                 kd.FlattenDVI(), kd.DenseDVI.from_dense(dense, regularizer=prior)]
 
-    class Subclassed(keras.Model):
-        def __init__(self, layers):
-            super().__init__()
-            self.body = layers
-
-        def call(self, inputs):
-            for layer in self.body:
-                inputs = layer(inputs)
-            return inputs
-
     inputs = outputs = keras.Input((10, 10, 1))
     for layer in converted():
         outputs = layer(outputs)
     logs = []
-    for model in (keras.Model(inputs, outputs), Subclassed(converted())):
+    for model in (keras.Model(inputs, outputs), SubclassedModel(converted())):
         model.compile(keras.optimizers.SGD(1e-2), loss=kd.SoftmaxDeltaELL())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
