@@ -730,7 +730,7 @@ def test_layers_built_from_keras_layers_find_their_place_in_a_subclassed_model()
         logs.append((history["nll"][-1], history["kl"][-1]))
     assert logs[1] == pytest.approx(logs[0], rel=1e-4)
     kl_total = sum(float(layer.kl_divergence()) for layer in model.layers if hasattr(layer, "kl_divergence"))
-    assert logs[1][1] == pytest.approx(kl_total / 32, rel=0.05)
+    assert logs[1][1] == pytest.approx(kl_total / 32, rel=1e-3)  # (measured 1.5e-4: the weights move a little)
 
 
 @pytest.mark.tensorflow_only
