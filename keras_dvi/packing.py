@@ -180,7 +180,13 @@ def split(inputs, name="inputs"):
     kind, _ = structure_of_shape(tuple(inputs.shape), name)
     if kind == DETERMINISTIC:
         return inputs, None, kind
-    return inputs[:, 0, :], inputs[:, 1:, :] if kind == FULL else inputs[:, 1, :], kind
+    # (split and unstack are slices on every backend; indexing became a gather in JAX's export
+    # with a dynamic batch size, which TFLite's builtin operations do not take)
+    if kind == FULL:
+        mean, covariance = ops.split(inputs, [1], axis=1)
+        return ops.squeeze(mean, axis=1), covariance, kind
+    mean, variance = ops.unstack(inputs, num=2, axis=1)
+    return mean, variance, kind
 
 
 def unpack(outputs, covariance="auto"):

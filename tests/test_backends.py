@@ -86,6 +86,8 @@ JAX_SUITE = [
     "tests/test_conv.py::test_max_pool_gradient_matches_finite_differences[overlapping]",
     "tests/test_conv.py::test_max_pair_is_finite_at_the_edges[float64]",
     "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
+    # deployment: jax2tf's SavedModel and TFLite's builtin operations (pooling, full covariances, SiLU)
+    "tests/test_conversion.py::test_networks_export_and_convert_to_tflite_builtins",
     # (converted networks - folded batch normalisation, Add, ReLU, pooling, a softmax head - train
     # on JAX in test_distribution.py's DataParallel test; their activations' moments are the
     # backend-independent maths of test_moments.py, whose edge cases run here)
@@ -203,7 +205,9 @@ def _train(weights):
 
 def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
     """The same weights and data order give the same training on both backends: an oracle
-    with its own ops and automatic differentiation for every gradient in the layers."""
+    with its own ops and automatic differentiation for every gradient in the layers. The JAX
+    side runs in float32 alone, as JAX does by default, and no keras-dvi call there warns
+    (`convert` and `predict` asked for float64 tensors, which JAX truncates with a warning)."""
     pytest.importorskip("jax")
     import keras
     import numpy as np
@@ -225,11 +229,35 @@ def test_jax_training_follows_tensorflow_step_for_step(tmp_path):
     np.testing.assert_allclose((losses[0] - losses[1]) / losses[2], [10 / 24, 23 / 24], rtol=0.05)
     np.testing.assert_allclose(jax_run["losses"], losses, rtol=1e-4)  # loss, nll and kl
     np.testing.assert_allclose(jax_run["predictions"], predictions, rtol=1e-3, atol=1e-4)
+    # JAX's default float32 (no x64) warns of every float64 tensor asked for: none from keras-dvi
+    assert list(jax_run["warnings"]) == []
 
 
-if __name__ == "__main__":  # the JAX side of the test above
+def _convert_and_predict():
+    """What a user calls besides `fit`: `convert` (which sets every layer's posterior) and
+    `predict` with an interval, on the small network and a plain CNN."""
+    import keras
+    import numpy as np
+
+    import keras_dvi as kd
+    from keras_dvi import datasets
+
+    (x, _), _ = datasets.load_toy_regression()
+    kd.predict(_small_network(), x[:5], level=0.9)
+    plain = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(2, 3, activation="relu"),
+                              keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(2)])
+    kd.predict(kd.convert(plain), np.zeros((2, 6, 6, 1), "float32"), task="classification")
+
+
+if __name__ == "__main__":  # the JAX side of the test above (float32 only: no JAX_ENABLE_X64)
+    import warnings
+
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    jax_losses, jax_predictions = _train(sys.argv[1])
-    np.savez(sys.argv[2], losses=jax_losses, predictions=jax_predictions)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax_losses, jax_predictions = _train(sys.argv[1])
+        _convert_and_predict()
+    messages = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, UserWarning)]
+    np.savez(sys.argv[2], losses=jax_losses, predictions=jax_predictions, warnings=np.asarray(messages, dtype=str))

@@ -14,6 +14,7 @@ import math
 import warnings
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_dvi import objective, packing, priors, sampling, validation
@@ -212,23 +213,19 @@ class BayesianLayer(KerasDVILayer):
                 continue
             if variable is None:
                 raise ValueError(f"Argument `{arg}` given, but layer {self.name!r} has no bias.")
-            value = ops.convert_to_numpy(ops.convert_to_tensor(value, dtype="float64"))
+            # (in NumPy's float64: JAX without x64 would truncate a float64 tensor, with a warning)
+            value = np.asarray(ops.convert_to_numpy(value), dtype="float64")
             try:
-                value = value + 0.0 * ops.convert_to_numpy(variable)
+                value = np.broadcast_to(value, tuple(variable.shape))
             except ValueError as error:
                 raise ValueError(
                     f"Argument `{arg}` must broadcast to shape {tuple(variable.shape)}; "
                     f"received shape {value.shape}."
                 ) from error
-            if tuple(value.shape) != tuple(variable.shape):
-                raise ValueError(
-                    f"Argument `{arg}` must broadcast to shape {tuple(variable.shape)}; "
-                    f"received shape {value.shape}."
-                )
             if is_variance:
                 if not (value > 0).all() or not (value < float("inf")).all():
                     raise ValueError(f"Argument `{arg}` must be positive and finite.")
-                value = 0.5 * ops.convert_to_numpy(ops.log(value))
+                value = 0.5 * np.log(value)
             variable.assign(ops.cast(value, variable.dtype))
 
     # ---------------------------------------------------------------- calling

@@ -417,13 +417,16 @@ def max_pool_moments(mean, variance, shared, pool_size, strides, padding="valid"
     """
     scan = keras.backend.backend() == "jax"
     taps = _window_taps([mean, variance, shared], [_PAD_MEAN, 0.0, 0.0], pool_size, strides, padding, stacked=scan)
-    m, v, s = (t[0] for t in taps)
     if scan:
         def step(carry, tap):
             return max_pair_moments(*carry, *tap), None
 
-        (m, v, s), _ = ops.scan(step, (m, v, s), tuple(t[1:] for t in taps))
+        # (the first tap split off, not indexed: a slice, where indexing became a gather in JAX's
+        # export with a dynamic batch size, which TFLite's builtin operations do not take)
+        first, rest = zip(*(ops.split(t, [1], axis=0) for t in taps))
+        (m, v, s), _ = ops.scan(step, tuple(ops.squeeze(t, axis=0) for t in first), rest)
     else:
+        m, v, s = (t[0] for t in taps)
         for tap in zip(*(t[1:] for t in taps)):
             m, v, s = max_pair_moments(m, v, s, *tap)
     return m, v, _clip_shared(s, v)

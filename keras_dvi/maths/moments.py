@@ -523,6 +523,10 @@ def _smooth_moments(function, derivative, companion, mean, variance):
     error against the exact integrals is tested in `tests/test_moments.py`."""
     g, closed = companion
     dtype = mean.dtype
+    # (on the units flattened: the nodes' axis on a feature map would make 5-D tensors, which
+    # TFLite's builtin operations did not take from JAX's export)
+    shape = ops.shape(mean)
+    mean, variance = ops.reshape(mean, (-1,)), ops.reshape(variance, (-1,))
     nodes = ops.convert_to_tensor(_GH_NODES, dtype=dtype)
     weights = ops.convert_to_tensor(_GH_WEIGHTS, dtype=dtype)
     variance = ops.maximum(variance, 0.0)
@@ -548,7 +552,7 @@ def _smooth_moments(function, derivative, companion, mean, variance):
             ops.maximum(var_g + expect(residual_dev * (residual_dev + 2.0 * companion_dev)), 0.0),
             slope_g + expect(residual * nodes) / std)
     switch = variance >= SMOOTH_SWITCH
-    return tuple(ops.where(switch, w, n) for w, n in zip(wide, near))
+    return tuple(ops.reshape(ops.where(switch, w, n), shape) for w, n in zip(wide, near))
 
 
 def _silu_derivative_at(x):
