@@ -189,6 +189,18 @@ def _through_identities(graph, layer, identity):
         return producer, reader
 
 
+def _pooled_producer(graph, pool, identity):
+    """`(producer, reader)` of a max pooling layer, as `_through_identities`, through zero padding
+    too (ResNet's and DenseNet's stems: convolution, batch normalisation, ReLU, `ZeroPadding2D`,
+    max pooling). A ReLU or leaky ReLU of the producer moves onto the pooling exactly: both
+    commute with the max, and with padding zeros (`f(0) = 0`, and `f(max(x, 0)) = max(f(x), 0)`)."""
+    producer, reader = _through_identities(graph, pool, identity)
+    while (isinstance(producer, (keras.layers.ZeroPadding1D, keras.layers.ZeroPadding2D))
+           and graph.only_reader(producer) is reader):
+        producer, reader = _through_identities(graph, producer, identity)
+    return producer, reader
+
+
 def _on_channels(layer, axis, data_format):
     """Whether `axis` (an integer or a one-element list) of `layer`'s input is its channel axis
     under `data_format`."""
@@ -440,10 +452,12 @@ def _plan(graph):
                 activation[id(producer)] = name
             identity.add(id(layer))
     for layer in graph.layers:  # the ReLU of a convolution moves to the max pooling it feeds
-        reader = graph.only_reader(layer) if isinstance(layer, tuple(_CONV)) else None
-        if (isinstance(reader, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D))
-                and activation.get(id(layer)) in ("relu", "leaky_relu") and activation.get(id(reader)) == "linear"):
-            activation[id(reader)], activation[id(layer)] = activation[id(layer)], "linear"
+        if not isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D)):
+            continue
+        producer, reader = _pooled_producer(graph, layer, identity)
+        if (isinstance(producer, tuple(_CONV)) and graph.only_reader(producer) is reader
+                and activation.get(id(producer)) in ("relu", "leaky_relu") and activation.get(id(layer)) == "linear"):
+            activation[id(layer)], activation[id(producer)] = activation[id(producer)], "linear"
     for layer in graph.layers:
         if _is_weight_layer(layer) and activation.get(id(layer)) == "softmax":
             if id(layer) not in graph.outputs:
@@ -548,8 +562,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
 
-    A ReLU on a convolution that feeds a max pooling moves to the pooling layer, the same
-    function in the form whose moments are accurate. Layers without weights before the first
+    A ReLU on a convolution that feeds a max pooling (directly, through batch normalisation, a
+    ReLU layer or zero padding) moves to the pooling layer, the same function in the form whose
+    moments are accurate. Layers without weights before the first
     layer with weights (`Rescaling`, `Normalization`, `Reshape`, operations such as `x / 255.0`,
     ...) stay as they are. Layer normalisation, attention and recurrent layers have no accurate
     Gaussian rule and are refused with the reason. Anything
