@@ -62,9 +62,9 @@ class ELBOTracker(keras.metrics.Metric):
 
     #: The running totals, entries of one variable (one variable to create, one update per
     #: step): batch mean `nll`, `kl`, steps, and for classifiers the information, the spread,
-    #: `log C` and the classified steps.
+    #: `log C` and the classified steps. Read and written by name (`INDEX`).
     FIELDS = ("nll", "kl", "steps", "information", "spread", "log_classes", "classified_steps")
-    NLL, KL, STEPS, INFORMATION, SPREAD, LOG_CLASSES, CLASSIFIED = range(len(FIELDS))
+    INDEX = {field: i for i, field in enumerate(FIELDS)}
 
     def __init__(self, name="elbo", dtype="float32"):
         super().__init__(name=name, dtype=dtype)
@@ -74,15 +74,13 @@ class ELBOTracker(keras.metrics.Metric):
     def update_state(self, nll, kl, probabilities=None):
         """Adds a step's batch mean `nll` and its `kl`; `probabilities`: a classifier's predicted
         class probabilities `(batch, C)` (for the collapse check), or `None`."""
-        step = [ops.cast(nll, self.dtype), ops.cast(kl, self.dtype), ops.ones((), self.dtype)]
-        if probabilities is None:
-            step += [ops.zeros((), self.dtype)] * 4
-        else:
+        step = {"nll": nll, "kl": kl, "steps": 1.0}
+        if probabilities is not None:
             probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
             information, spread = prediction_information(probabilities)
-            step += [ops.cast(information, self.dtype), ops.cast(spread, self.dtype),
-                     ops.cast(math.log(int(probabilities.shape[-1])), self.dtype), ops.ones((), self.dtype)]
-        self.totals.assign_add(ops.stack(step))
+            step.update(information=information, spread=spread, log_classes=math.log(int(probabilities.shape[-1])),
+                        classified_steps=1.0)
+        self.totals.assign_add(ops.stack([ops.cast(step.get(field, 0.0), self.dtype) for field in self.FIELDS]))
 
     def result(self):
         """`{"nll": ..., "kl": ...}`. Keras reads it at the end of every training or test step,
@@ -97,15 +95,15 @@ class ELBOTracker(keras.metrics.Metric):
                 if record.training and not getattr(self, "warned_loss", False):
                     self._warn_no_loss(record.head)
         totals = ops.convert_to_tensor(self.totals)
-        steps = ops.maximum(totals[self.STEPS], 1.0)
-        nll = totals[self.NLL] / steps
+        steps = ops.maximum(totals[self.INDEX["steps"]], 1.0)
+        nll = totals[self.INDEX["nll"]] / steps
         if _executing_eagerly(self.totals):
             self._check_collapse(nll)
-        return {"nll": nll, "kl": totals[self.KL] / steps}
+        return {"nll": nll, "kl": totals[self.INDEX["kl"]] / steps}
 
     def _check_collapse(self, nll):
         totals = ops.convert_to_numpy(self.totals).astype("float64")
-        steps = float(totals[self.CLASSIFIED])
+        steps = float(totals[self.INDEX["classified_steps"]])
         head = getattr(self, "head", None)
         layer = None if head is None else head.layer()
         if steps < 1 or layer is None or getattr(self, "warned_collapse", False):
@@ -113,8 +111,8 @@ class ELBOTracker(keras.metrics.Metric):
         if layer.regularizer is None or not layer.kl_term.warmup_done():
             self.collapse_checks = 0
             return
-        information, spread, log_classes = (float(totals[i]) / steps for i in
-                                            (self.INFORMATION, self.SPREAD, self.LOG_CLASSES))
+        information, spread, log_classes = (float(totals[self.INDEX[field]]) / steps
+                                            for field in ("information", "spread", "log_classes"))
         nll = float(ops.convert_to_numpy(nll))
         uninformed = information < COLLAPSE_INFORMATION_SHARE * max(spread, 1e-6)
         if not (uninformed or nll >= log_classes - 0.01):
