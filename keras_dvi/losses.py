@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import objective, packing, validation
+from keras_dvi import network, objective, packing, validation
 from keras_dvi.maths import moments
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -18,6 +18,28 @@ _LOG_2PI = math.log(2.0 * math.pi)
 
 def _report(nll, probabilities=None):
     objective.report_nll(ops.mean(nll), probabilities)
+
+
+def _sampler():
+    """In `fit` / `evaluate`, the layer that makes the stepped model's outputs weight samples
+    (`keras_dvi.network.sampling_layer`), `None` if they are moments; `False` outside a step."""
+    model = objective.stepping_model()
+    return False if model is None else network.sampling_layer(model)
+
+
+def _moments(y_pred, loss, sampled_loss):
+    """`packing.unpack(y_pred)` for the moment loss `loss`, refusing (in `fit` / `evaluate`) the
+    weight samples of a sampled model: their shape `(batch, samples, units)` reads as packed
+    moments when there are 2 samples (or `units + 1`)."""
+    sampler = _sampler()
+    if sampler:
+        raise ValueError(
+            f"{loss} reads the means and variances that DVI layers output, but this model's outputs "
+            f"are weight samples of shape (batch, samples, units), drawn from {type(sampler).__name__} "
+            f"{sampler.name!r} on. Compile it with keras_dvi.{sampled_loss}(), the Monte Carlo estimate "
+            f"of the same expected log-likelihood; received y_pred of shape {tuple(y_pred.shape)}."
+        )
+    return packing.unpack(y_pred)
 
 
 class _ValidatingLoss(keras.losses.Loss):
@@ -70,7 +92,7 @@ class HeteroscedasticELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        mean, second = packing.unpack(y_pred)
+        mean, second = _moments(y_pred, "HeteroscedasticELL", "SampledHeteroscedasticELL")
         units = mean.shape[-1]
         if units is None or units % 2:
             raise ValueError(
@@ -146,7 +168,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         self.method = method
 
     def call(self, y_true, y_pred):
-        mean, second = packing.unpack(y_pred)
+        mean, second = _moments(y_pred, "SoftmaxDeltaELL", "SampledSoftmaxELL")
         classes = mean.shape[-1]
         if classes is None or classes < 2:
             raise ValueError(
@@ -179,8 +201,17 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         return config
 
 
-def _samples(y_pred, name, y_true, validate=False):
-    """Checks a sampled output `(batch, samples, units)` against its targets' batch size."""
+def _samples(y_pred, name, moment_loss, y_true, validate=False):
+    """Checks a sampled output `(batch, samples, units)` against its targets' batch size; in
+    `fit` / `evaluate`, refuses the moments of a model without sampling layers (a packed
+    `(batch, 2, units)` output reads as 2 samples)."""
+    if _sampler() is None:
+        raise ValueError(
+            f"{name} reads weight samples of shape (batch, samples, units), but this model has no "
+            "sampling layer (GlobalInducingDense, DenseMCVI, Conv1DMCVI, Conv2DMCVI): its outputs are "
+            f"packed means and variances. Compile it with keras_dvi.{moment_loss}(); received y_pred of "
+            f"shape {tuple(y_pred.shape)}."
+        )
     if len(y_pred.shape) != 3:
         raise ValueError(
             f"{name} expects output samples of shape (batch, samples, units), as returned by a "
@@ -224,7 +255,7 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        y_pred = _samples(y_pred, "SampledHeteroscedasticELL", y_true, self.validate)
+        y_pred = _samples(y_pred, "SampledHeteroscedasticELL", "HeteroscedasticELL", y_true, self.validate)
         units = y_pred.shape[-1]
         if units is None or units % 2:
             raise ValueError(
@@ -271,7 +302,7 @@ class SampledSoftmaxELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        y_pred = _samples(y_pred, "SampledSoftmaxELL", y_true, self.validate)
+        y_pred = _samples(y_pred, "SampledSoftmaxELL", "SoftmaxDeltaELL", y_true, self.validate)
         classes = y_pred.shape[-1]
         if classes is None or classes < 2:
             raise ValueError(

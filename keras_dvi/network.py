@@ -16,3 +16,14 @@ def layers_of(model):
 
     visit(model)
     return found
+
+
+def sampling_layer(model):
+    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
+    setting and a seed generator: `GlobalInducingDense`, `DenseMCVI`, `Conv1DMCVI`,
+    `Conv2DMCVI`), whose outputs are weight samples `(batch, samples, ...)`, or `None` for a
+    moment-propagating model."""
+    for layer in layers_of(model):
+        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
+            return layer
+    return None

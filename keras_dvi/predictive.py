@@ -373,16 +373,6 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     return keras.tree.pack_sequence_as(structure, samples)
 
 
-def sampling_layer(model):
-    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
-    setting: `GlobalInducingDense`, `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`), or `None` for a
-    moment-propagating model."""
-    for layer in network.layers_of(model):
-        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
-            return layer
-    return None
-
-
 def set_sampling_seed(model, seed):
     """Restarts the weight draws of every sampling layer of `model` (`GlobalInducingDense`,
     `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`) from `seed`.
@@ -444,7 +434,7 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         >>> mc_mean, mc_var = samples.mean(axis=1), samples.var(axis=1)
     """
     num_samples = validation.positive_integer("num_samples", num_samples)
-    first = sampling_layer(model)
+    first = network.sampling_layer(model)
     if first is None:
         if batch_size is None:
             return weight_samples(model, x, num_samples, seed=seed)
@@ -535,7 +525,7 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         return own(model.predict(x, batch_size=batch_size, verbose=0), level=level)
     task = _task(model, task)
     quantile = central_quantile(level) if task == REGRESSION else None  # checks `level`
-    sampled = sampling_layer(model) is not None
+    sampled = network.sampling_layer(model) is not None
     if sampled:
         y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
     else:

@@ -65,6 +65,31 @@ def test_losses_refuse_non_finite_targets_and_outputs():
         predict_samples(keras.Sequential([keras.Input((2,)), DenseDVI(1)]), np.array([[np.nan, 0.0]], "float32"), 3)
 
 
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_fit_refuses_a_moment_loss_on_weight_samples_and_a_sampled_loss_on_moments(task):
+    """A Monte Carlo model outputs weight samples `(batch, samples, units)`, a DVI model packed
+    moments `(batch, 2 or units + 1, units)`: with 2 samples (or `units + 1`) the shapes cannot
+    tell them apart, and the wrong loss trained on NaN or on the wrong numbers. `fit` refuses
+    either pairing, naming the loss to use."""
+    import keras_dvi as kd
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = rng.normal(size=16).astype("float32") if task == "regression" else rng.integers(0, 2, 16)
+    moment_loss, sampled_loss = (("HeteroscedasticELL", "SampledHeteroscedasticELL") if task == "regression"
+                                 else ("SoftmaxDeltaELL", "SampledSoftmaxELL"))
+    prior = kd.EmpiricalBayesRegularizer(num_train=16)
+    for layers, loss, fix in [
+        ([kd.DenseMCVI(4, "relu", num_samples=2, regularizer=prior), kd.DenseMCVI(2, regularizer=prior)],
+         moment_loss, sampled_loss),
+        ([kd.DenseDVI(4, "relu", regularizer=prior), kd.DenseDVI(2, regularizer=prior)], sampled_loss, moment_loss),
+    ]:
+        model = keras.Sequential([keras.Input((3,)), *layers])
+        model.compile("adam", loss=getattr(kd, loss)())
+        with pytest.raises(ValueError, match=rf"{loss} reads .* keras_dvi\.{fix}\(\)"):
+            model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+
+
 @pytest.mark.tensorflow_only  # graph-mode checks are TensorFlow assertions
 def test_graph_mode_checks_are_opt_in():
     layer = DenseDVI(2, validate=True)

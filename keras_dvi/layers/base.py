@@ -256,7 +256,7 @@ class BayesianLayer(KerasDVILayer):
             warnings.warn(
                 f"{type(self).__name__} {self.name!r} is trained without a prior "
                 "(`regularizer=None`): no KL term pulls its posterior, so its variances shrink "
-                "towards 0 and it is fitted by noisy maximum likelihood, and the logged `kl` "
+                "towards 0 and it is fitted by maximum likelihood, and the logged `kl` "
                 "leaves it out. Pass one prior to every keras-dvi layer of the network, e.g. "
                 "`regularizer=keras_dvi.EmpiricalBayesRegularizer(num_train=len(x_train))`.",
                 UserWarning,
