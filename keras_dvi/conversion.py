@@ -568,7 +568,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     layer with weights (`Rescaling`, `Normalization`, `Reshape`, operations such as `x / 255.0`,
     ...) stay as they are. Layer normalisation, attention and recurrent layers have no accurate
     Gaussian rule and are refused with the reason. Anything
-    else is refused with an error that names the layer.
+    else is refused with an error that names the layer. A converted layer keeps the plain
+    layer's `trainable` setting (a warning says when one is frozen: its variances are then not
+    fitted).
 
     **Only the last layers** (`last_layers=k`): the last `k` `Dense` or convolution layers
     become keras-dvi layers, and everything before the first of them stays a plain Keras
@@ -734,6 +736,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         if batch_norm is not None:
             kernel, bias = _folded_weights(layer, batch_norm)
             converted.set_posterior(kernel, converted.kernel_variance, bias)
+        converted.trainable = layer.trainable  # (a frozen layer stays frozen, as in the plain part)
         return converted
 
     if isinstance(source, keras.Sequential):
@@ -776,6 +779,17 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             "Monte Carlo's over the weights, the sums of its cells' pooled twins 0.25-0.31. The means and, at tiny "
             "variances, the function are right. Check the spread with keras_dvi.predict_samples, or convert with "
             "last_layers=k to make only the head Bayesian.",
+            stacklevel=2)
+    bayesian = [layer for layer in converted.layers if isinstance(layer, dvi.BayesianLayer)]
+    frozen = [layer for layer in bayesian if not layer.trainable]
+    if frozen:
+        warnings.warn(
+            f"keras_dvi.convert: {len(frozen)} of the {len(bayesian)} layers made Bayesian (first "
+            f"{frozen[0].name!r}) were frozen in the plain model (`trainable=False`) and stay frozen: their "
+            "posterior means are the plain weights and their variances stay at their initial values "
+            "(`kernel_variance`), not fitted to the data. For a Bayesian head over a frozen backbone, convert "
+            "with last_layers=k (the backbone then stays plain); to fit every posterior, set "
+            "`trainable = True` on the converted model.",
             stacklevel=2)
     _copy_weights(kept)
     if classifier:

@@ -71,10 +71,11 @@ class ELBOTracker(keras.metrics.Metric):
         self.totals = self.add_variable(shape=(len(self.FIELDS),), initializer="zeros", name="totals")
         self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
 
-    def update_state(self, nll, kl, probabilities=None):
+    def update_state(self, nll, kl, probabilities=None, steps=1.0):
         """Adds a step's batch mean `nll` and its `kl`; `probabilities`: a classifier's predicted
-        class probabilities `(batch, C)` (for the collapse check), or `None`."""
-        step = {"nll": nll, "kl": kl, "steps": 1.0}
+        class probabilities `(batch, C)` (for the collapse check), or `None`; `steps` 0 adds the
+        `nll` of a further output to the step already counted."""
+        step = {"nll": nll, "kl": kl, "steps": steps}
         if probabilities is not None:
             probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
             information, spread = prediction_information(probabilities)
@@ -92,7 +93,7 @@ class ELBOTracker(keras.metrics.Metric):
             self.open_record = None
             if record.open:
                 record.close()
-                if record.training and not getattr(self, "warned_loss", False):
+                if not record.scored and record.training and not getattr(self, "warned_loss", False):
                     self._warn_no_loss(record.head)
         totals = ops.convert_to_tensor(self.totals)
         steps = ops.maximum(totals[self.INDEX["steps"]], 1.0)

@@ -19,11 +19,11 @@ def layers_of(model):
 
 
 def sampling_layer(model):
-    """The layer that sets the sample axis of a sampled model (the first with a `num_samples`
-    setting and a seed generator: `GlobalInducingDense`, `DenseMCVI`, `Conv1DMCVI`,
-    `Conv2DMCVI`), whose outputs are weight samples `(batch, samples, ...)`, or `None` for a
-    moment-propagating model."""
+    """The first layer of `model` whose outputs are weight samples `(batch, samples, ...)`, not
+    packed moments (`outputs_moments` false: `DenseMCVI`, `Conv1DMCVI`, `Conv2DMCVI`,
+    `GlobalInducingDense`, `GlobalInducingConv2D`; it sets the sample axis), or `None` for a
+    moment-propagating model (`GlobalInducingDenseDVI` returns moments)."""
     for layer in layers_of(model):
-        if hasattr(layer, "num_samples") and hasattr(layer, "seed_generator"):
+        if getattr(layer, "outputs_moments", True) is False:
             return layer
     return None

@@ -158,18 +158,25 @@ def describe(model):
 class StepRecord:
     """The hand-off of one step of a network: its tracker, whether it trains, its first layer's
     name, the computation it is traced in, the KL values of its layers and the tensors they
-    produced. Open from the first layer's call to the keras-dvi loss (or the metrics' read)."""
+    produced. Open from the first layer's call to the metrics' read at the end of the step;
+    `scored` once a keras-dvi loss has reported the step (the losses of further outputs add
+    their `nll` to it)."""
 
     def __init__(self, tracker, training, head, trace):
         self.tracker, self.training, self.head, self.trace = tracker, bool(training), head, trace
         self.kl, self.produced = [], []
-        self.open = True
+        self.open, self.scored = True, False
+
+    def score(self):
+        """Marks the record scored and returns its KL values (kept no longer)."""
+        self.scored = True
+        kl, self.kl = self.kl, []
+        return kl
 
     def close(self):
-        """Closes the record and returns its KL values; it keeps no tensor or graph after."""
+        """Closes the record; it keeps no tensor or graph after."""
         self.open, self.trace = False, None
-        kl, self.kl, self.produced = self.kl, [], []
-        return kl
+        self.kl, self.produced = [], []
 
 
 def _open_record():
@@ -200,7 +207,8 @@ def start_step(tracker, training=False, head=None, inputs=None):
     previous = getattr(model, RECORD, None)
     trace = None if inputs is None else trace_of(inputs)
     if (training and previous is not None and previous.open and previous.tracker is not tracker
-            and previous.training and previous.trace is trace and not getattr(tracker, "warned_second_head", False)):
+            and previous.training and not previous.scored and previous.trace is trace
+            and not getattr(tracker, "warned_second_head", False)):
         tracker.warned_second_head = True
         warnings.warn(
             f"keras-dvi layers {previous.head!r} and {head!r} both take data (2-D) inputs in one "
@@ -285,11 +293,16 @@ def report_nll(nll, probabilities=None):
     record = _open_record()
     if record is None:
         return
-    tracker, kl = record.tracker, record.close()
     trace = trace_of(nll)
+    if record.scored:  # the loss of a further output of the same step (a model with several outputs)
+        if trace is record.trace:
+            record.tracker.update_state(ops.stop_gradient(nll), 0.0, steps=0.0)
+        return
+    kl = record.score()
     if any(trace_of(value) is not trace for value in kl):
+        record.close()
         return
     total = ops.cast(0.0, "float32")
     for value in kl:
         total = total + ops.cast(value, "float32")
-    tracker.update_state(ops.stop_gradient(nll), total, probabilities)
+    record.tracker.update_state(ops.stop_gradient(nll), total, probabilities)

@@ -73,6 +73,7 @@ JAX_SUITE = [
     # the objective: KL schedule and weight, logs, every kind of model, misuse
     "tests/test_training.py::test_kl_warmup_ramps_by_training_step_and_evaluation_uses_the_full_weight",
     "tests/test_training.py::test_every_way_of_writing_a_model_trains_the_same",
+    "tests/test_training.py::test_a_model_with_several_outputs_logs_the_nll_of_every_output",
     "tests/test_training.py::test_an_explicit_training_false_is_respected",
     "tests/test_training.py::test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for[10-6]",
     "tests/test_training.py::test_the_schedule_resumes_after_saving",

@@ -103,6 +103,31 @@ def test_the_relu_of_a_convolution_moves_to_the_max_pooling_it_feeds(chain):
     np.testing.assert_allclose(to_numpy(kd.unpack(converted(x))[0]), _logits(plain, x), rtol=1e-4, atol=1e-5)
 
 
+def test_frozen_layers_stay_frozen_with_a_warning(tmp_path):
+    """A layer frozen in the plain model (`trainable=False`: a frozen backbone) becomes a frozen
+    keras-dvi layer, as the plain part of `last_layers` keeps its settings, and `convert` warns
+    that its variances are not fitted (with the way to a Bayesian head); the rest trains, and a
+    `.keras` file keeps the setting."""
+    plain = keras.Sequential([keras.Input((10, 10, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(3, activation="softmax")])
+    plain.layers[0].trainable = False
+    with pytest.warns(UserWarning, match=r"1 of the 2 layers made Bayesian .* stay frozen.*last_layers=k"):
+        converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=6))
+    conv, dense = converted.layers[0], converted.layers[-1]
+    assert (conv.trainable, dense.trainable) == (False, True)
+    def posteriors():
+        return [[to_numpy(getattr(layer, name)) for name in ("kernel_mean", "kernel_variance", "bias_mean")]
+                for layer in (conv, dense)]
+
+    before = posteriors()
+    converted.fit(_images(), np.arange(6) % 3, epochs=1, verbose=0)
+    after = posteriors()
+    assert all(np.array_equal(b, a) for b, a in zip(before[0], after[0]))  # frozen
+    assert not any(np.array_equal(b, a) for b, a in zip(before[1], after[1]))  # trained
+    converted.save(tmp_path / "frozen.keras")
+    assert not keras.saving.load_model(tmp_path / "frozen.keras").layers[0].trainable
+
+
 def test_sequential_networks_every_other_layer():
     """A dense classifier with a `Softmax` layer, `leaky_relu` and `LeakyReLU(0.2)`; a 1D CNN with
     global average pooling and average pooling; `hidden_covariance="full"`; the prior given to

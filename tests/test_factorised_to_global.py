@@ -155,7 +155,11 @@ def test_both_networks_train_initialise_save_and_load(tmp_path):
         for m in (model, loaded):
             kd.set_sampling_seed(m, 5)
         np.testing.assert_array_equal(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
-    assert kd.predict(dvi, x)["mean"].shape == (64, 1)
+    out = kd.predict(dvi, x)  # the closed-form output moments of one pass (no weight samples)
+    expected = kd.predictive.regression_moments(dvi.predict(x, verbose=0))
+    for key in ("mean", "epistemic", "aleatoric"):
+        np.testing.assert_allclose(out[key], ops.convert_to_numpy(expected[key]), rtol=1e-5)
+    assert out["mean"].shape == (64, 1) and out["epistemic"].min() > 0
 
 
 def test_misuse_is_refused():

@@ -149,6 +149,27 @@ def test_every_kind_of_model_logs_the_whole_objective_once():
             np.testing.assert_allclose(logs[kind][key], logs["sequential"][key], rtol=1e-5)
 
 
+def test_a_model_with_several_outputs_logs_the_nll_of_every_output():
+    """Each output's keras-dvi loss reports its `nll`; the step's logged `nll` is their sum (the
+    objective's likelihood part), counted as one step, beside the one `kl`: the logs add up to
+    the loss in `fit` and in `evaluate`."""
+    x, y = _data(seed=3)
+    labels = (x[:, 0] > 0).astype("int32")
+    prior = kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=0)
+    inputs = keras.Input((2,))
+    hidden = kd.DenseDiagDVI(8, "relu", regularizer=prior)(inputs)
+    model = keras.Model(inputs, {"value": kd.DenseDVI(2, regularizer=prior, name="value")(hidden),
+                                 "label": kd.DenseDVI(2, regularizer=prior, name="label")(hidden)})
+    model.compile(keras.optimizers.SGD(0.0), loss={"value": kd.HeteroscedasticELL(), "label": kd.SoftmaxDeltaELL()})
+    targets = {"value": y, "label": labels}
+    history = model.fit(x, targets, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(history["nll"], np.add(history["value_loss"], history["label_loss"]), rtol=1e-5)
+    np.testing.assert_allclose(np.add(history["nll"], history["kl"]), history["loss"], rtol=1e-5)
+    logs = model.evaluate(x, targets, batch_size=16, verbose=0, return_dict=True)
+    np.testing.assert_allclose(logs["nll"], logs["value_loss"] + logs["label_loss"], rtol=1e-5)
+    np.testing.assert_allclose(logs["nll"] + logs["kl"], logs["loss"], rtol=1e-5)
+
+
 def test_every_way_of_writing_a_model_trains_the_same():
     """Keras hands `training=None` to the layers of a subclassed model whose `call` has no
     `training` argument or does not pass it on; its training steps still advance the KL
