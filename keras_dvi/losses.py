@@ -10,7 +10,7 @@ import math
 import keras
 from keras import ops
 
-from keras_dvi import network, objective, packing, validation
+from keras_dvi import objective, packing, validation
 from keras_dvi.maths import moments
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -20,18 +20,11 @@ def _report(nll, probabilities=None):
     objective.report_nll(ops.mean(nll), probabilities)
 
 
-def _sampler():
-    """In `fit` / `evaluate`, the layer that makes the stepped model's outputs weight samples
-    (`keras_dvi.network.sampling_layer`), `None` if they are moments; `False` outside a step."""
-    model = objective.stepping_model()
-    return False if model is None else network.sampling_layer(model)
-
-
 def _moments(y_pred, loss, sampled_loss):
     """`packing.unpack(y_pred)` for the moment loss `loss`, refusing (in `fit` / `evaluate`) the
     weight samples of a sampled model: their shape `(batch, samples, units)` reads as packed
     moments when there are 2 samples (or `units + 1`)."""
-    sampler = _sampler()
+    sampler = objective.stepped_sampler()
     if sampler:
         raise ValueError(
             f"{loss} reads the means and variances that DVI layers output, but this model's outputs "
@@ -205,7 +198,7 @@ def _samples(y_pred, name, moment_loss, y_true, validate=False):
     """Checks a sampled output `(batch, samples, units)` against its targets' batch size; in
     `fit` / `evaluate`, refuses the moments of a model without sampling layers (a packed
     `(batch, 2, units)` output reads as 2 samples)."""
-    if _sampler() is None:
+    if objective.stepped_sampler() is None:
         raise ValueError(
             f"{name} reads weight samples of shape (batch, samples, units), but this model has no "
             "sampling layer (GlobalInducingDense, DenseMCVI, Conv1DMCVI, Conv2DMCVI): its outputs are "

@@ -186,6 +186,14 @@ def _open_record():
     return record if record is not None and record.open else None
 
 
+def stepped_sampler():
+    """In `fit` / `evaluate`, the layer from which the stepped model's outputs are weight samples
+    (`keras_dvi.network.sampling_layer`), `None` if they are packed moments; `False` outside a
+    step (a loss or metric called directly)."""
+    model = stepping_model()
+    return False if model is None else network.sampling_layer(model)
+
+
 def kl_ramp(step, warmup_steps):
     """Warm-up factor of the KL at training step `step` (0-based): `min(1, (step + 1) /
     warmup_steps)`, 1 without a warm-up (`warmup_steps` 0). Works on Python numbers and tensors

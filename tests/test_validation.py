@@ -70,7 +70,7 @@ def test_fit_refuses_a_moment_loss_on_weight_samples_and_a_sampled_loss_on_momen
     """A Monte Carlo model outputs weight samples `(batch, samples, units)`, a DVI model packed
     moments `(batch, 2 or units + 1, units)`: with 2 samples (or `units + 1`) the shapes cannot
     tell them apart, and the wrong loss trained on NaN or on the wrong numbers. `fit` refuses
-    either pairing, naming the loss to use."""
+    either pairing, naming the loss to use, and the moment metrics on samples."""
     import keras_dvi as kd
 
     rng = np.random.default_rng(0)
@@ -88,6 +88,11 @@ def test_fit_refuses_a_moment_loss_on_weight_samples_and_a_sampled_loss_on_momen
         model.compile("adam", loss=getattr(kd, loss)())
         with pytest.raises(ValueError, match=rf"{loss} reads .* keras_dvi\.{fix}\(\)"):
             model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    metric = kd.metrics.PredictiveMSE() if task == "regression" else kd.metrics.MeanLogitAccuracy()
+    model = keras.Sequential([keras.Input((3,)), kd.DenseMCVI(2, num_samples=2, regularizer=prior)])
+    model.compile("adam", loss=getattr(kd, sampled_loss)(), metrics=[metric])
+    with pytest.raises(ValueError, match=rf"{type(metric).__name__} reads .* keras_dvi\.predict"):
+        model.fit(x, y, epochs=1, batch_size=8, verbose=0)
 
 
 @pytest.mark.tensorflow_only  # graph-mode checks are TensorFlow assertions
