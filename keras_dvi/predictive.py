@@ -466,12 +466,7 @@ _TASK_OF_LOSS = {
 }
 
 
-def _task(model, task):
-    if task is not None:
-        if task not in (REGRESSION, CLASSIFICATION):
-            raise ValueError(f"Argument `task` must be 'regression' or 'classification'; received {task!r}.")
-        return task
-    loss = getattr(model, "loss", None)
+def _task_of_loss(loss):
     for cls, name in _TASK_OF_LOSS.items():
         if isinstance(loss, cls):
             return name
@@ -480,6 +475,21 @@ def _task(model, task):
         f"({type(loss).__name__ if loss is not None else 'not compiled'}): pass "
         "`task='regression'` or `task='classification'`."
     )
+
+
+def _tasks(model, task):
+    """The task of the model's output: one name, or for a model compiled with one loss per
+    output, a dict (named outputs) or list of names."""
+    if task is not None:
+        if task not in (REGRESSION, CLASSIFICATION):
+            raise ValueError(f"Argument `task` must be 'regression' or 'classification'; received {task!r}.")
+        return task
+    loss = getattr(model, "loss", None)
+    if loss is not None and hasattr(loss, "items"):  # (Keras wraps a dict of losses)
+        return {name: _task_of_loss(value) for name, value in loss.items()}
+    if loss is not None and not isinstance(loss, (str, keras.losses.Loss)) and hasattr(loss, "__len__"):
+        return [_task_of_loss(value) for value in loss]
+    return _task_of_loss(loss)
 
 
 def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, probability_method="mean"):
@@ -512,8 +522,12 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
             (default, calibrated in distribution) or `"probit"` (for inputs that may be
             shifted or out of distribution).
 
+    A model with several outputs, compiled with a keras-dvi loss per output (a dict or list of
+    losses), gets a summary per output, in the structure of `model.predict`'s outputs (a dict
+    for named outputs); `task` then applies to every output.
+
     Returns:
-        A dict of NumPy arrays, as above.
+        A dict of NumPy arrays, as above (per output for a model with several).
 
     Examples:
         >>> out = keras_dvi.predict(model, x_test)
@@ -523,23 +537,36 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
     own = getattr(model, "predictive_distribution", None)
     if callable(own):  # a model that states its own (`TAGIModel`: fixed noise, the binary tree)
         return own(model.predict(x, batch_size=batch_size, verbose=0), level=level)
-    task = _task(model, task)
-    quantile = central_quantile(level) if task == REGRESSION else None  # checks `level`
+    tasks = _tasks(model, task)
+    names = [tasks] if isinstance(tasks, str) else list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
+    quantile = central_quantile(level) if REGRESSION in names else None  # checks `level`
     sampled = network.sampling_layer(model) is not None
     if sampled:
         y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
     else:
         y_pred = model.predict(x, batch_size=batch_size, verbose=0)
-    if task == CLASSIFICATION:
-        if sampled:
-            probs = np.asarray(sampled_class_probabilities(y_pred))
-        else:
-            probs = np.asarray(class_probabilities(y_pred, method=probability_method))
-        entropy = -np.sum(probs * np.log(probs), axis=-1)
-        return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
-    parts = sampled_regression_moments(y_pred) if sampled else regression_moments(y_pred)
-    out = {name: np.asarray(value) for name, value in parts.items()}
-    out["std"] = np.sqrt(out["variance"])
-    half = quantile * out["std"]
-    out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
-    return out
+
+    def summary(y_pred, task):
+        if task == CLASSIFICATION:
+            if sampled:
+                probs = np.asarray(sampled_class_probabilities(y_pred))
+            else:
+                probs = np.asarray(class_probabilities(y_pred, method=probability_method))
+            entropy = -np.sum(probs * np.log(probs), axis=-1)
+            return {"probabilities": probs, "label": probs.argmax(-1), "entropy": entropy}
+        parts = sampled_regression_moments(y_pred) if sampled else regression_moments(y_pred)
+        out = {name: np.asarray(value) for name, value in parts.items()}
+        out["std"] = np.sqrt(out["variance"])
+        half = quantile * out["std"]
+        out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
+        return out
+
+    if not keras.tree.is_nested(y_pred):
+        if not isinstance(tasks, str):
+            raise ValueError(f"keras_dvi.predict: the model has one output but a loss per output ({tasks}).")
+        return summary(y_pred, tasks)
+    if isinstance(y_pred, dict):  # named outputs: a dict of summaries
+        return {name: summary(value, tasks if isinstance(tasks, str) else tasks[name]) for name, value in y_pred.items()}
+    if isinstance(tasks, dict):  # (losses named by output, outputs listed)
+        tasks = [tasks[name] for name in model.output_names]
+    return [summary(value, tasks if isinstance(tasks, str) else tasks[i]) for i, value in enumerate(y_pred)]

@@ -170,6 +170,31 @@ def test_predict_returns_numpy_summaries_for_both_tasks():
         keras_dvi.predict(keras.Sequential([keras.Input((2,)), DenseDVI(2)]), x)
 
 
+@pytest.mark.parametrize("structure", ["dict", "list"])
+def test_predict_summarises_every_output_of_a_model_with_several(structure):
+    """A model with a regression and a classification output, a keras-dvi loss each: one summary
+    per output, in the outputs' structure, each what the one-output model of that head gives."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(30, 3)).astype("float32")
+    prior = EmpiricalBayesRegularizer(30)
+    inputs = keras.Input((3,))
+    hidden = DenseDVI(6, "relu", regularizer=prior)(inputs)
+    value, label = DenseDVI(2, regularizer=prior, name="value")(hidden), DenseDVI(3, regularizer=prior, name="label")(hidden)
+    if structure == "dict":
+        model = keras.Model(inputs, {"value": value, "label": label})
+        model.compile("adam", loss={"value": HeteroscedasticELL(), "label": SoftmaxDeltaELL()})
+    else:
+        model = keras.Model(inputs, [value, label])
+        model.compile("adam", loss=[HeteroscedasticELL(), SoftmaxDeltaELL()])
+    out = keras_dvi.predict(model, x, level=0.9)
+    value_out, label_out = (out["value"], out["label"]) if structure == "dict" else out
+    for head, task, summary in ((value, "regression", value_out), (label, "classification", label_out)):
+        alone = keras_dvi.predict(keras.Model(inputs, head), x, task=task, level=0.9)
+        assert sorted(summary) == sorted(alone)
+        for key in alone:
+            np.testing.assert_allclose(summary[key], alone[key], rtol=1e-6)
+
+
 def test_predict_samples_of_a_model_with_several_outputs_draws_the_same_weights_for_all():
     """A moment model with several outputs gives one array per output, in the model's output
     structure, every output under the same weight draws: the head's draws equal those of the
