@@ -496,15 +496,52 @@ def _head(model, last_layers):
 #: Keras losses of a plain model that make it a classifier over its output units.
 _CLASSIFICATION_LOSSES = (keras.losses.SparseCategoricalCrossentropy, keras.losses.CategoricalCrossentropy)
 _CLASSIFICATION_LOSS_NAMES = ("sparse_categorical_crossentropy", "categorical_crossentropy")
+#: Keras losses of a plain model that make it a binary classifier over its one output unit.
+_BINARY_LOSSES = (keras.losses.BinaryCrossentropy, keras.losses.BinaryFocalCrossentropy)
+_BINARY_LOSS_NAMES = ("binary_crossentropy",)
 
 
 def _is_classifier(model, graph):
     """Whether the plain model is a classifier: its output applies a softmax, or it is compiled
-    with a categorical cross-entropy."""
+    with a categorical cross-entropy; or a binary one (`_is_binary`)."""
     if any(_activation_of(layer) == "softmax" for layer in graph.layers if id(layer) in graph.outputs):
         return True
     loss = getattr(model, "loss", None)
-    return isinstance(loss, _CLASSIFICATION_LOSSES) or loss in _CLASSIFICATION_LOSS_NAMES
+    return isinstance(loss, _CLASSIFICATION_LOSSES) or loss in _CLASSIFICATION_LOSS_NAMES or _is_binary(model, graph)
+
+
+def _is_binary(model, graph):
+    """Whether the plain model is a binary classifier with one output unit: a `Dense(1)` output
+    with a sigmoid (in the layer or a layer after it), or compiled with a binary cross-entropy."""
+    outputs = [layer for layer in graph.layers if id(layer) in graph.outputs]
+    if len(outputs) != 1 or keras.tree.flatten(outputs[0].output)[0].shape[-1] != 1:
+        return False
+    if _activation_of(outputs[0]) == "sigmoid":
+        return True
+    loss = getattr(model, "loss", None)
+    return isinstance(loss, _BINARY_LOSSES) or loss in _BINARY_LOSS_NAMES
+
+
+def _binary_head(graph, identity):
+    """The `Dense` that computes a binary classifier's one logit: the output layer, or the layer
+    it reads through folded ones (a `Dense(1)` under `Activation("sigmoid")`); `None` if none."""
+    layer = next(layer for layer in graph.layers if id(layer) in graph.outputs)
+    while id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
+        producers = graph.producers[id(layer)]
+        if len(producers) != 1:
+            return None
+        layer = producers[0]
+    return layer if isinstance(layer, keras.layers.Dense) else None
+
+
+def _binary_logits(layer, kernel, bias):
+    """A built `Dense(2)` computing the logits `(0, z)` of a one-unit `Dense` computing `z` (with
+    `kernel`, `bias`): its softmax is `(1 - sigmoid(z), sigmoid(z))`, the binary classifier's."""
+    two = keras.layers.Dense(2, name=layer.name)
+    two.build((None, int(kernel.shape[0])))
+    two.set_weights([np.concatenate([np.zeros_like(kernel), kernel], axis=1),
+                     np.array([0.0, 0.0 if bias is None else float(np.ravel(bias)[0])])])
+    return two
 
 
 def _folded_weights(layer, batch_norm):
@@ -561,6 +598,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
+    | a sigmoid on a one-unit output, or a binary cross-entropy on it | a two-class `DenseDVI` with the logits `(0, z)` (softmax: `1 - sigmoid(z)`, `sigmoid(z)`) |
 
     A ReLU on a convolution that feeds a max pooling (directly, through batch normalisation, a
     ReLU layer or zero padding) moves to the pooling layer, the same function in the form whose
@@ -581,7 +619,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     of the Laplace and variational last-layer literature.
 
     **A classifier comes back compiled**, ready for `fit` and `keras_dvi.predict`: when the
-    plain model ends in a softmax or is compiled with a categorical cross-entropy, the
+    plain model ends in a softmax (or a binary classifier's sigmoid) or is compiled with a
+    categorical (or binary) cross-entropy, the
     converted model is compiled with `SoftmaxDeltaELL` and a fresh copy of the plain model's
     optimizer (`Adam(1e-3)` if it had none); compile it again to change either. A regression
     model whose head predicts a mean only needs a noise model before training: append
@@ -628,6 +667,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         raise ValueError("Argument `model` of keras_dvi.convert already has keras-dvi layers.")
     classifier = _is_classifier(model, graph)
     activation, identity, folded, plain, vectors = _plan(graph)
+    binary_head = _binary_head(graph, identity) if _is_binary(model, graph) else None
     if last_layers is not None:  # every layer outside the head stays plain
         head = {id(layer) for layer in graph.layers}
         plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
@@ -718,6 +758,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
 
     def convert_weights(layer, act, common, output, batch_norm):
         """The keras-dvi layer of a plain `Dense`, convolution or depthwise convolution."""
+        if layer is binary_head:  # the logits (0, z), whose softmax SoftmaxDeltaELL takes
+            kernel, bias = _folded_weights(layer, batch_norm)
+            converted = dvi.DenseDVI.from_dense(_binary_logits(layer, kernel, bias), kernel_variance, bias_variance,
+                                                activation="linear", **dict(common, use_bias=True))
+            converted.trainable = layer.trainable
+            return converted
         if isinstance(layer, keras.layers.Dense):
             full = output or hidden_covariance == "full"
             converted = (dvi.DenseDVI if full else dvi.DenseDiagDVI).from_dense(

@@ -128,6 +128,33 @@ def test_frozen_layers_stay_frozen_with_a_warning(tmp_path):
     assert not keras.saving.load_model(tmp_path / "frozen.keras").layers[0].trainable
 
 
+#: A binary classifier's head as plain Keras writes it: `(layers, loss)`.
+BINARY_HEADS = {
+    "sigmoid": lambda: ([keras.layers.Dense(1, activation="sigmoid")], "binary_crossentropy"),
+    "sigmoid_layer": lambda: ([keras.layers.Dense(1), keras.layers.Activation("sigmoid")], "binary_crossentropy"),
+    "logit": lambda: ([keras.layers.Dense(1)], keras.losses.BinaryCrossentropy(from_logits=True)),
+}
+
+
+@pytest.mark.parametrize("head", sorted(BINARY_HEADS))
+def test_a_binary_classifier_converts_to_two_logits(head):
+    """A one-unit sigmoid output (or a logit under a binary cross-entropy) becomes the logits
+    `(0, z)` of a two-class `DenseDVI` under `SoftmaxDeltaELL`: softmax `(1 - sigmoid(z),
+    sigmoid(z))`, the plain model's probabilities at tiny variances; it trains on 0 / 1 labels."""
+    layers, loss = BINARY_HEADS[head]()
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="relu"), *layers])
+    plain.compile("adam", loss=loss)
+    x = np.random.default_rng(6).normal(size=(8, 4)).astype("float32")
+    converted = kd.convert(plain, **TINY)
+    assert isinstance(converted.loss, kd.SoftmaxDeltaELL)
+    assert type(converted.layers[-1]).__name__ == "DenseDVI" and converted.layers[-1].units == 2
+    out = to_numpy(plain(x))[:, 0]
+    expected = 1.0 / (1.0 + np.exp(-out)) if head == "logit" else out  # the plain P(class 1)
+    np.testing.assert_allclose(kd.predict(converted, x)["probabilities"][:, 1], expected, rtol=1e-5, atol=1e-6)
+    history = converted.fit(x, (x[:, 0] > 0).astype("float32"), epochs=2, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+
+
 def test_sequential_networks_every_other_layer():
     """A dense classifier with a `Softmax` layer, `leaky_relu` and `LeakyReLU(0.2)`; a 1D CNN with
     global average pooling and average pooling; `hidden_covariance="full"`; the prior given to
