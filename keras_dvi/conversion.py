@@ -522,16 +522,21 @@ def _is_binary(model, graph):
     return isinstance(loss, _BINARY_LOSSES) or loss in _BINARY_LOSS_NAMES
 
 
-def _binary_head(graph, identity):
-    """The `Dense` that computes a binary classifier's one logit: the output layer, or the layer
-    it reads through folded ones (a `Dense(1)` under `Activation("sigmoid")`); `None` if none."""
-    layer = next(layer for layer in graph.layers if id(layer) in graph.outputs)
-    while id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
-        producers = graph.producers[id(layer)]
-        if len(producers) != 1:
-            return None
-        layer = producers[0]
-    return layer if isinstance(layer, keras.layers.Dense) else None
+def _output_layers(graph, identity):
+    """The layers that compute the model's outputs: each output layer, or the layer it reads
+    through folded ones and inference-time no-ops (a `Dense` under a `Softmax` layer or an
+    `Activation("sigmoid")`), so that a head written either way converts alike."""
+    found = []
+    for layer in graph.layers:
+        if id(layer) not in graph.outputs:
+            continue
+        while id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
+            producers = graph.producers[id(layer)]
+            if len(producers) != 1:
+                break
+            layer = producers[0]
+        found.append(layer)
+    return found
 
 
 def _binary_logits(layer, kernel, bias):
@@ -667,7 +672,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         raise ValueError("Argument `model` of keras_dvi.convert already has keras-dvi layers.")
     classifier = _is_classifier(model, graph)
     activation, identity, folded, plain, vectors = _plan(graph)
-    binary_head = _binary_head(graph, identity) if _is_binary(model, graph) else None
+    heads = _output_layers(graph, identity)
+    binary_head = heads[0] if _is_binary(model, graph) and isinstance(heads[0], keras.layers.Dense) else None
     if last_layers is not None:  # every layer outside the head stays plain
         head = {id(layer) for layer in graph.layers}
         plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
@@ -696,7 +702,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             parts = _plain_parts(layer, key in vectors)
             converted = [convert_weights(part, "linear", {"regularizer": regularizer, "name": part.name}, False, None)
                          for part in parts[:-1]]  # (a separable convolution's depthwise part)
-            converted.append(convert_weights(parts[-1], act, common, key in graph.outputs, folded.get(key)))
+            converted.append(convert_weights(parts[-1], act, common, any(layer is head for head in heads), folded.get(key)))
             return converted[0] if len(converted) == 1 else tuple(converted)
         if isinstance(layer, _ACTIVATION_LAYERS):
             converted = dvi.ActivationDVI(act, data_format=first_format, name=layer.name)

@@ -155,6 +155,20 @@ def test_a_binary_classifier_converts_to_two_logits(head):
     assert np.isfinite(history["loss"]).all()
 
 
+@pytest.mark.parametrize("head", ["argument", "softmax_layer", "activation_layer", "dropout_then_softmax"])
+def test_the_output_layer_is_found_however_the_softmax_is_written(head):
+    """The logits' layer is the network's output layer (a `DenseDVI`, full covariance over the
+    logits) whether the softmax is its activation or a layer after it (through no-ops)."""
+    layers = {"argument": [keras.layers.Dense(3, activation="softmax")],
+              "softmax_layer": [keras.layers.Dense(3), keras.layers.Softmax()],
+              "activation_layer": [keras.layers.Dense(3), keras.layers.Activation("softmax")],
+              "dropout_then_softmax": [keras.layers.Dense(3), keras.layers.Dropout(0.1), keras.layers.Softmax()]}[head]
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="relu"), *layers])
+    converted = kd.convert(plain)
+    assert [type(layer).__name__ for layer in converted.layers] == ["DenseDiagDVI", "DenseDVI"]
+    assert isinstance(converted.loss, kd.SoftmaxDeltaELL)
+
+
 def test_sequential_networks_every_other_layer():
     """A dense classifier with a `Softmax` layer, `leaky_relu` and `LeakyReLU(0.2)`; a 1D CNN with
     global average pooling and average pooling; `hidden_covariance="full"`; the prior given to
@@ -218,9 +232,9 @@ APPLICATIONS = {
     "InceptionV3": (keras.applications.InceptionV3, 75, {"ConcatenateDVI", "AveragePooling2DDVI"}),
     "MobileNetV2": (lambda **kw: keras.applications.MobileNetV2(alpha=0.35, **kw), 32,
                     {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI"}),
-    # the head: global pooling keeping its dimensions, a 1x1 convolution (a Dense), Reshape
+    # the head: global pooling keeping its dimensions, a 1x1 convolution (the output Dense), Reshape
     "MobileNet": (lambda **kw: keras.applications.MobileNet(alpha=0.25, **kw), 32,
-                  {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "GlobalAveragePooling2DDVI", "DenseDiagDVI"}),
+                  {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "GlobalAveragePooling2DDVI", "DenseDVI"}),
     # separable convolutions (depthwise, then pointwise), ReLUs on maps other layers also read
     "Xception": (keras.applications.Xception, 71, {"DepthwiseConv2DDVI", "ActivationDVI", "AddDVI"}),
     # hard SiLU, gates whose hard sigmoid is written with operations (`ReLU(6.0)(x + 3.0) * (1 / 6)`)
