@@ -503,11 +503,11 @@ _BINARY_LOSS_NAMES = ("binary_crossentropy",)
 
 def _is_classifier(model, graph):
     """Whether the plain model is a classifier: its output applies a softmax, or it is compiled
-    with a categorical cross-entropy; or a binary one (`_is_binary`)."""
+    with a categorical cross-entropy (binary classifiers: `_is_binary`)."""
     if any(_activation_of(layer) == "softmax" for layer in graph.layers if id(layer) in graph.outputs):
         return True
     loss = getattr(model, "loss", None)
-    return isinstance(loss, _CLASSIFICATION_LOSSES) or loss in _CLASSIFICATION_LOSS_NAMES or _is_binary(model, graph)
+    return isinstance(loss, _CLASSIFICATION_LOSSES) or loss in _CLASSIFICATION_LOSS_NAMES
 
 
 def _is_binary(model, graph):
@@ -528,14 +528,10 @@ def _output_layers(graph, identity):
     `Activation("sigmoid")`), so that a head written either way converts alike."""
     found = []
     for layer in graph.layers:
-        if id(layer) not in graph.outputs:
-            continue
-        while id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
-            producers = graph.producers[id(layer)]
-            if len(producers) != 1:
-                break
-            layer = producers[0]
-        found.append(layer)
+        if id(layer) in graph.outputs:
+            if id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
+                layer = _through_identities(graph, layer, identity)[0] or layer
+            found.append(layer)
     return found
 
 
@@ -670,10 +666,11 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                          "(a subclassed model has no graph to convert).") from error
     if any(isinstance(layer, dvi.boundary.KerasDVILayer) for layer in graph.layers):
         raise ValueError("Argument `model` of keras_dvi.convert already has keras-dvi layers.")
-    classifier = _is_classifier(model, graph)
+    binary = _is_binary(model, graph)
+    classifier = binary or _is_classifier(model, graph)
     activation, identity, folded, plain, vectors = _plan(graph)
     heads = _output_layers(graph, identity)
-    binary_head = heads[0] if _is_binary(model, graph) and isinstance(heads[0], keras.layers.Dense) else None
+    binary_head = heads[0] if binary and isinstance(heads[0], keras.layers.Dense) else None
     if last_layers is not None:  # every layer outside the head stays plain
         head = {id(layer) for layer in graph.layers}
         plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
@@ -764,12 +761,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
 
     def convert_weights(layer, act, common, output, batch_norm):
         """The keras-dvi layer of a plain `Dense`, convolution or depthwise convolution."""
+        trainable = layer.trainable  # (a frozen layer stays frozen, as in the plain part)
         if layer is binary_head:  # the logits (0, z), whose softmax SoftmaxDeltaELL takes
-            kernel, bias = _folded_weights(layer, batch_norm)
-            converted = dvi.DenseDVI.from_dense(_binary_logits(layer, kernel, bias), kernel_variance, bias_variance,
-                                                activation="linear", **dict(common, use_bias=True))
-            converted.trainable = layer.trainable
-            return converted
+            layer, act, batch_norm = _binary_logits(layer, *_folded_weights(layer, batch_norm)), "linear", None
         if isinstance(layer, keras.layers.Dense):
             full = output or hidden_covariance == "full"
             converted = (dvi.DenseDVI if full else dvi.DenseDiagDVI).from_dense(
@@ -788,7 +782,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         if batch_norm is not None:
             kernel, bias = _folded_weights(layer, batch_norm)
             converted.set_posterior(kernel, converted.kernel_variance, bias)
-        converted.trainable = layer.trainable  # (a frozen layer stays frozen, as in the plain part)
+        converted.trainable = trainable
         return converted
 
     if isinstance(source, keras.Sequential):

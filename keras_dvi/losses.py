@@ -21,17 +21,10 @@ def _report(nll, probabilities=None):
 
 
 def _moments(y_pred, loss, sampled_loss):
-    """`packing.unpack(y_pred)` for the moment loss `loss`, refusing (in `fit` / `evaluate`) the
-    weight samples of a sampled model: their shape `(batch, samples, units)` reads as packed
-    moments when there are 2 samples (or `units + 1`)."""
-    sampler = objective.stepped_sampler()
-    if sampler:
-        raise ValueError(
-            f"{loss} reads the means and variances that DVI layers output, but this model's outputs "
-            f"are weight samples of shape (batch, samples, units), drawn from {type(sampler).__name__} "
-            f"{sampler.name!r} on. Compile it with keras_dvi.{sampled_loss}(), the Monte Carlo estimate "
-            f"of the same expected log-likelihood; received y_pred of shape {tuple(y_pred.shape)}."
-        )
+    """`packing.unpack(y_pred)` for the moment loss `loss` (a sampled model's weight samples
+    refused, `objective.refuse_samples`)."""
+    objective.refuse_samples(loss, f"Compile it with keras_dvi.{sampled_loss}(), the Monte Carlo estimate of "
+                                   f"the same expected log-likelihood; received y_pred of shape {tuple(y_pred.shape)}.")
     return packing.unpack(y_pred)
 
 

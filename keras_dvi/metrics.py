@@ -38,14 +38,8 @@ class _PredictiveMetric(keras.metrics.MeanMetricWrapper):
         super().__init__(type(self).fn, name=name or self.default_name, dtype=dtype)
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        sampler = objective.stepped_sampler()
-        if sampler:  # (their shape can read as packed moments: 2 samples, or units + 1)
-            raise ValueError(
-                f"{type(self).__name__} reads the means and variances that DVI layers output, but this "
-                f"model's outputs are weight samples of shape (batch, samples, units), drawn from "
-                f"{type(sampler).__name__} {sampler.name!r} on. Its logged `nll` is the sampled loss; score its "
-                "predictions with keras_dvi.predict(model, x) (the predictive distribution of the samples)."
-            )
+        objective.refuse_samples(type(self).__name__, "Its logged `nll` is the sampled loss; score its predictions "
+                                 "with keras_dvi.predict(model, x) (the predictive distribution of the samples).")
         return super().update_state(y_true, y_pred, sample_weight)
 
     def get_config(self):

@@ -194,6 +194,19 @@ def stepped_sampler():
     return False if model is None else network.sampling_layer(model)
 
 
+def refuse_samples(reader, fix):
+    """In `fit` / `evaluate`, a `ValueError` when `reader` (a loss or metric that reads packed
+    moments) is given a sampled model's weight samples, whose shape `(batch, samples, units)`
+    reads as packed moments when there are 2 samples (or `units + 1`); `fix` says what to use."""
+    sampler = stepped_sampler()
+    if sampler:
+        raise ValueError(
+            f"{reader} reads the means and variances that DVI layers output, but this model's outputs are "
+            f"weight samples of shape (batch, samples, units), drawn from {type(sampler).__name__} "
+            f"{sampler.name!r} on. {fix}"
+        )
+
+
 def kl_ramp(step, warmup_steps):
     """Warm-up factor of the KL at training step `step` (0-based): `min(1, (step + 1) /
     warmup_steps)`, 1 without a warm-up (`warmup_steps` 0). Works on Python numbers and tensors

@@ -485,9 +485,9 @@ def _tasks(model, task):
             raise ValueError(f"Argument `task` must be 'regression' or 'classification'; received {task!r}.")
         return task
     loss = getattr(model, "loss", None)
-    if loss is not None and hasattr(loss, "items"):  # (Keras wraps a dict of losses)
+    if hasattr(loss, "items"):  # (Keras wraps a dict of losses)
         return {name: _task_of_loss(value) for name, value in loss.items()}
-    if loss is not None and not isinstance(loss, (str, keras.losses.Loss)) and hasattr(loss, "__len__"):
+    if keras.tree.is_nested(loss):
         return [_task_of_loss(value) for value in loss]
     return _task_of_loss(loss)
 
@@ -538,8 +538,7 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
     if callable(own):  # a model that states its own (`TAGIModel`: fixed noise, the binary tree)
         return own(model.predict(x, batch_size=batch_size, verbose=0), level=level)
     tasks = _tasks(model, task)
-    names = [tasks] if isinstance(tasks, str) else list(tasks.values()) if isinstance(tasks, dict) else list(tasks)
-    quantile = central_quantile(level) if REGRESSION in names else None  # checks `level`
+    quantile = central_quantile(level) if REGRESSION in keras.tree.flatten(tasks) else None  # checks `level`
     sampled = network.sampling_layer(model) is not None
     if sampled:
         y_pred = predict_samples(model, x, num_samples, batch_size=batch_size)
@@ -561,12 +560,8 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         out["lower"], out["upper"] = out["mean"] - half, out["mean"] + half
         return out
 
-    if not keras.tree.is_nested(y_pred):
-        if not isinstance(tasks, str):
-            raise ValueError(f"keras_dvi.predict: the model has one output but a loss per output ({tasks}).")
-        return summary(y_pred, tasks)
-    if isinstance(y_pred, dict):  # named outputs: a dict of summaries
-        return {name: summary(value, tasks if isinstance(tasks, str) else tasks[name]) for name, value in y_pred.items()}
-    if isinstance(tasks, dict):  # (losses named by output, outputs listed)
+    if isinstance(tasks, str):  # one task for every output
+        tasks = keras.tree.map_structure(lambda _: tasks, y_pred)
+    elif isinstance(tasks, dict) and not isinstance(y_pred, dict):  # (losses named by output, outputs listed)
         tasks = [tasks[name] for name in model.output_names]
-    return [summary(value, tasks if isinstance(tasks, str) else tasks[i]) for i, value in enumerate(y_pred)]
+    return keras.tree.map_structure(summary, y_pred, tasks)

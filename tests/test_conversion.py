@@ -115,6 +115,7 @@ def test_frozen_layers_stay_frozen_with_a_warning(tmp_path):
         converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=6))
     conv, dense = converted.layers[0], converted.layers[-1]
     assert (conv.trainable, dense.trainable) == (False, True)
+
     def posteriors():
         return [[to_numpy(getattr(layer, name)) for name in ("kernel_mean", "kernel_variance", "bias_mean")]
                 for layer in (conv, dense)]

@@ -155,7 +155,7 @@ def test_a_model_with_several_outputs_logs_the_nll_of_every_output():
     the loss in `fit` and in `evaluate`."""
     x, y = _data(seed=3)
     labels = (x[:, 0] > 0).astype("int32")
-    prior = kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=0)
+    prior = kd.EmpiricalBayesRegularizer(64, kl_weight=1.0, kl_warmup_steps=0)  # (loss = nll + kl)
     inputs = keras.Input((2,))
     hidden = kd.DenseDiagDVI(8, "relu", regularizer=prior)(inputs)
     model = keras.Model(inputs, {"value": kd.DenseDVI(2, regularizer=prior, name="value")(hidden),
