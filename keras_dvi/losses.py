@@ -130,7 +130,9 @@ class SoftmaxDeltaELL(_ValidatingLoss):
     under-fits; the delta method under-fits less there.
 
     Labels: integer class indices of shape `(batch,)` or `(batch, 1)`, or one-hot (or soft)
-    labels of shape `(batch, C)`.
+    labels of shape `(batch, C)`. With two classes (a converted binary classifier) a label of
+    shape `(batch,)` or `(batch, 1)` is the probability of class 1, as Keras' binary
+    cross-entropy reads it: 0 or 1, or a soft label such as 0.9.
 
     Args:
         method: `"jankowiak"` (default) or `"delta"`.

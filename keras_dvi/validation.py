@@ -199,17 +199,29 @@ def regression_targets(y_true, dims, name):
 def class_labels(y_true, classes, dtype, validate=False):
     """Labels as one-hot (or soft) rows `(batch, classes)`.
 
-    Integer labels `(batch,)` / `(batch, 1)` must lie in `0 .. classes - 1`: checked in eager
-    calls and, with `validate`, by a TensorFlow assertion inside compiled TensorFlow steps;
-    otherwise an out-of-range label gives an all-zero row, which the losses turn into a NaN
-    loss rather than a silently wrong one (`poison_unlabelled`).
+    Integer labels `(batch,)` / `(batch, 1)` must be whole numbers in `0 .. classes - 1`:
+    checked in eager calls and, with `validate`, by a TensorFlow assertion inside compiled
+    TensorFlow steps; otherwise an out-of-range or fractional label gives an all-zero row,
+    which the losses turn into a NaN loss rather than a silently wrong one
+    (`poison_unlabelled`). With two classes a label `(batch,)` / `(batch, 1)` is the
+    probability of class 1, as Keras' binary cross-entropy reads it: 0 and 1 are the classes,
+    a soft label such as 0.9 (label smoothing) is the row `(0.1, 0.9)`; it must lie in
+    `[0, 1]` (outside it the row is NaN).
     """
     shape = tuple(y_true.shape)
     if len(shape) == 2 and shape[1] == classes:
         return ops.cast(y_true, dtype)
     if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
-        indices = ops.cast(ops.reshape(y_true, (-1,)), "int32")
-        return ops.one_hot(_check_label_range(indices, classes, validate), classes, dtype=dtype)
+        if classes == 2:
+            positive = _check_label_range(ops.cast(ops.reshape(y_true, (-1,)), dtype), classes, validate, binary=True)
+            return ops.stack([1.0 - positive, positive], axis=-1)
+        labels = ops.reshape(y_true, (-1,))
+        indices = _check_label_range(ops.cast(labels, "int32"), classes, validate, labels)
+        one_hot = ops.one_hot(indices, classes, dtype=dtype)
+        if "int" in str(labels.dtype):
+            return one_hot
+        whole = ops.cast(ops.cast(indices, labels.dtype) == labels, dtype)  # 0 for a fractional label
+        return whole[:, None] * one_hot
     raise ValueError(
         f"keras_dvi losses: labels `y_true` must be integers of shape (batch,) or (batch, 1), "
         f"or one-hot of shape (batch, {classes}) to match the {classes} logits; received "
@@ -217,23 +229,44 @@ def class_labels(y_true, classes, dtype, validate=False):
     )
 
 
-def _check_label_range(indices, classes, validate=False):
-    message = (
-        f"Argument `y_true` has integer class labels outside 0..{classes - 1}, the range of the "
-        f"model's {classes} logits: relabel the classes 0..{classes - 1} (e.g. subtract 1 from "
-        f"labels 1..{classes}) or give the output layer one unit per class"
-    )
-    value = _concrete(indices)
+def _check_label_range(indices, classes, validate=False, labels=None, binary=False):
+    """`indices`: class indices (cast from `labels`), or with `binary` the probability of class
+    1. Checked to lie in range (and `labels` to be whole numbers) where the values are concrete,
+    and under `validate` by TensorFlow assertions in compiled TensorFlow steps; in a compiled
+    step a `binary` probability outside `[0, 1]` becomes NaN."""
+    if binary:
+        message = (
+            "Argument `y_true` of a two-class output holds labels outside [0, 1]: a label of shape "
+            "(batch,) or (batch, 1) is the probability of class 1 (0 or 1, or a soft label such as 0.9); "
+            "relabel the classes 0 and 1 (e.g. subtract 1 from labels 1 and 2)"
+        )
+    else:
+        message = (
+            f"Argument `y_true` has integer class labels outside 0..{classes - 1}, the range of the "
+            f"model's {classes} logits: relabel the classes 0..{classes - 1} (e.g. subtract 1 from "
+            f"labels 1..{classes}) or give the output layer one unit per class"
+        )
+    value, raw = _concrete(indices), _concrete(labels)
     if value is not None:
-        if value.size and (value.min() < 0 or value.max() >= classes):
+        top = 1 if binary else classes - 1
+        if value.size and (value.min() < 0 or value.max() > top):
             _fail(message + f"; received labels from {value.min()} to {value.max()}.")
+        if raw is not None and raw.size and not np.array_equal(raw, np.round(raw)):
+            _fail(
+                f"Argument `y_true` has fractional class labels (e.g. {raw[raw != np.round(raw)][0]}) for "
+                f"{classes} classes: integer labels name a class; give soft labels as rows of shape "
+                f"(batch, {classes}) that sum to 1."
+            )
         return indices
+    if binary:
+        indices = ops.where((indices >= 0) & (indices <= 1), indices, float("nan"))
     if validate and keras.backend.backend() == "tensorflow" and not isinstance(indices, keras.KerasTensor):
         import tensorflow as tf
 
+        top = tf.constant(1 if binary else classes - 1, indices.dtype)
         with tf.control_dependencies([
             tf.debugging.assert_non_negative(indices, message=message),
-            tf.debugging.assert_less(indices, tf.constant(classes, indices.dtype), message=message),
+            tf.debugging.assert_less_equal(indices, top, message=message),
         ]):
             return tf.identity(indices)
     return indices

@@ -146,6 +146,53 @@ def test_softmax_delta_drops_the_variance_penalty_of_confident_logits():
     assert jankowiak > mc  # the Jankowiak form penalises at least as much here (about 2.6)
 
 
+def test_two_class_labels_are_the_probability_of_class_one():
+    """A converted binary classifier's labels `(batch,)` are read as Keras' binary cross-entropy
+    reads them: the probability of class 1, so label smoothing's 0.9 is the row (0.1, 0.9) (it
+    was cast to class 0). Oracle: Keras' binary cross-entropy of the logit z at tiny variances
+    of the logits (0, z); and the same loss as the soft rows."""
+    rng = np.random.default_rng(11)
+    z = rng.normal(scale=2.0, size=6).astype("float32")
+    mean = np.stack([np.zeros_like(z), z], axis=-1)
+    tiny = pack(mean, np.full((6, 2), 1e-9, "float32"))
+    labels = np.array([0.9, 0.1, 1.0, 0.0, 0.5, 0.95], "float32")
+    want = to_numpy(keras.losses.binary_crossentropy(labels[:, None], z[:, None], from_logits=True))
+    for method in ("jankowiak", "delta"):
+        loss = SoftmaxDeltaELL(method=method, reduction=None)
+        np.testing.assert_allclose(to_numpy(loss(labels, tiny)), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(to_numpy(loss(labels[:, None], tiny)), want, rtol=1e-5, atol=1e-6)
+    wide = pack(mean, np.full((6, 2), 0.7, "float32"))
+    rows = np.stack([1 - labels, labels], axis=-1)
+    np.testing.assert_allclose(to_numpy(SoftmaxDeltaELL(reduction=None)(labels, wide)),
+                               to_numpy(SoftmaxDeltaELL(reduction=None)(rows, wide)), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"two-class output holds labels outside \[0, 1\].*from 0\.0 to 2\.0"):
+        SoftmaxDeltaELL()(np.array([0.0, 1.0, 2.0, 0.0, 1.0, 1.0]), wide)
+
+
+def test_fractional_class_labels_are_refused():
+    """With three or more classes a label of shape `(batch,)` names a class: 1.5 was cast to
+    class 1. Eagerly an error names the label; in a compiled step its loss is NaN."""
+    three = pack(np.zeros((3, 3), "float32"), np.ones((3, 3), "float32"))
+    with pytest.raises(ValueError, match=r"fractional class labels \(e\.g\. 1\.5\).*\(batch, 3\)"):
+        SoftmaxDeltaELL()(np.array([0.0, 1.5, 2.0]), three)
+    compiled = to_numpy(_compiled(lambda y: SoftmaxDeltaELL(reduction=None)(y, three))(np.array([0.0, 1.5, 2.0], "float32")))
+    assert np.isfinite(compiled[[0, 2]]).all() and np.isnan(compiled[1])
+    two = pack(np.zeros((3, 2), "float32"), np.ones((3, 2), "float32"))
+    compiled = to_numpy(_compiled(lambda y: SoftmaxDeltaELL(reduction=None)(y, two))(np.array([0.0, 2.0, -1.0], "float32")))
+    assert np.isfinite(compiled[0]) and np.isnan(compiled[1:]).all()
+
+
+def _compiled(function):
+    """`function` traced as a compiled step traces it (no concrete values to check eagerly)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(function)
+    import tensorflow as tf
+
+    return tf.function(function)
+
+
 def test_softmax_shape_errors():
     with pytest.raises(ValueError, match="at least 2"):
         SoftmaxDeltaELL()(np.zeros((3,)), pack(np.zeros((3, 1), "float32"), np.ones((3, 1), "float32")))
