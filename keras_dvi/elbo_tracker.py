@@ -47,23 +47,24 @@ class HeadRef:
 class ELBOTracker(keras.metrics.Metric):
     """The metric of a keras-dvi network: running means over steps of `nll` and `kl`.
 
-    `nll` is the batch mean of the negative expected log-likelihood reported by the loss, `kl`
+    `nll` is the negative expected log-likelihood as the loss reports it (its batch mean,
+    weighted by `sample_weight` / `class_weight` as the loss is), `kl`
     the sum over layers of `KL / N` (without the warm-up or `kl_weight`), per step. Keras resets
     it at every epoch and `evaluate`, and shows it in the progress bar, the `History` and
     `evaluate`'s results.
 
     For classifiers it also keeps the running means of `prediction_information` and of
-    `log C`, and checks them whenever Keras reads the result outside a compiled function (at
-    the end of every epoch of `fit`, and of `evaluate`): a classifier trained past its KL
-    warm-up whose predictions carry almost no information about its inputs, or whose `nll` is
-    no better than a uniform guess, at two such checks in a row, has collapsed to its prior,
+    `log C` and of the unweighted `nll` per example, and checks them whenever Keras reads the
+    result outside a compiled function (at the end of every epoch of `fit`, and of `evaluate`):
+    a classifier trained past its KL warm-up whose predictions carry almost no information
+    about its inputs, or whose `nll` per example is no better than a uniform guess, at two such checks in a row, has collapsed to its prior,
     and a warning says so, with the cause and the fixes.
     """
 
     #: The running totals, entries of one variable (one variable to create, one update per
-    #: step): batch mean `nll`, `kl`, steps, and for classifiers the information, the spread,
-    #: `log C` and the classified steps. Read and written by name (`INDEX`).
-    FIELDS = ("nll", "kl", "steps", "information", "spread", "log_classes", "classified_steps")
+    #: step): `nll`, `kl`, steps, and for classifiers the information, the spread, `log C`, the
+    #: unweighted `nll` per example and the classified steps. Read and written by name (`INDEX`).
+    FIELDS = ("nll", "kl", "steps", "information", "spread", "log_classes", "classified_nll", "classified_steps")
     INDEX = {field: i for i, field in enumerate(FIELDS)}
 
     def __init__(self, name="elbo", dtype="float32"):
@@ -71,16 +72,17 @@ class ELBOTracker(keras.metrics.Metric):
         self.totals = self.add_variable(shape=(len(self.FIELDS),), initializer="zeros", name="totals")
         self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
 
-    def update_state(self, nll, kl, probabilities=None, steps=1.0):
-        """Adds a step's batch mean `nll` and its `kl`; `probabilities`: a classifier's predicted
-        class probabilities `(batch, C)` (for the collapse check), or `None`; `steps` 0 adds the
-        `nll` of a further output to the step already counted."""
+    def update_state(self, nll, kl, probabilities=None, steps=1.0, per_example=None):
+        """Adds a step's `nll` and its `kl`; `probabilities`: a classifier's predicted class
+        probabilities `(batch, C)`, and `per_example` its unweighted mean `nll` per example
+        (default: `nll`), for the collapse check, or `None`; `steps` 0 adds the `nll` of a
+        further output to the step already counted."""
         step = {"nll": nll, "kl": kl, "steps": steps}
         if probabilities is not None:
             probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
             information, spread = prediction_information(probabilities)
             step.update(information=information, spread=spread, log_classes=math.log(int(probabilities.shape[-1])),
-                        classified_steps=1.0)
+                        classified_nll=nll if per_example is None else per_example, classified_steps=1.0)
         self.totals.assign_add(ops.stack([ops.cast(step.get(field, 0.0), self.dtype) for field in self.FIELDS]))
 
     def result(self):
@@ -99,10 +101,10 @@ class ELBOTracker(keras.metrics.Metric):
         steps = ops.maximum(totals[self.INDEX["steps"]], 1.0)
         nll = totals[self.INDEX["nll"]] / steps
         if _executing_eagerly(self.totals):
-            self._check_collapse(nll)
+            self._check_collapse()
         return {"nll": nll, "kl": totals[self.INDEX["kl"]] / steps}
 
-    def _check_collapse(self, nll):
+    def _check_collapse(self):
         totals = ops.convert_to_numpy(self.totals).astype("float64")
         steps = float(totals[self.INDEX["classified_steps"]])
         head = getattr(self, "head", None)
@@ -112,9 +114,8 @@ class ELBOTracker(keras.metrics.Metric):
         if layer.regularizer is None or not layer.kl_term.warmup_done():
             self.collapse_checks = 0
             return
-        information, spread, log_classes = (float(totals[self.INDEX[field]]) / steps
-                                            for field in ("information", "spread", "log_classes"))
-        nll = float(ops.convert_to_numpy(nll))
+        information, spread, log_classes, nll = (float(totals[self.INDEX[field]]) / steps for field in
+                                                 ("information", "spread", "log_classes", "classified_nll"))
         uninformed = information < COLLAPSE_INFORMATION_SHARE * max(spread, 1e-6)
         if not (uninformed or nll >= log_classes - 0.01):
             self.collapse_checks = 0
@@ -142,7 +143,7 @@ class ELBOTracker(keras.metrics.Metric):
             f"The classifier whose first keras-dvi layer is {layer.name!r} has collapsed to its "
             f"prior: after the KL warm-up its predictions carry {information:.3f} nats of "
             f"information about its inputs (against {spread:.3f} for the spread of its average "
-            f"prediction) and its nll is {nll:.3f} (a uniform guess: {log_classes:.3f}). It "
+            f"prediction) and its nll per example is {nll:.3f} (a uniform guess: {log_classes:.3f}). It "
             f"predicts about the same class probabilities for every input. Cause: the KL term "
             f"(weight {layer.kl_term.weight_after_warmup():.3g} after the warm-up) outweighs what the data "
             "can pay for, which happens with many weights per training example (small data sets, "

@@ -1,8 +1,9 @@
 """Expected log-likelihood losses for keras-dvi outputs (pass them to `model.compile`).
 
 Each loss reads the packed output of the last keras-dvi layer (see `keras_dvi.packing`),
-returns the per-example negative expected log-likelihood, and reports its batch mean as
-`nll` in the training logs (`keras_dvi.objective`).
+returns the per-example negative expected log-likelihood, and reports the loss as Keras reduces
+it (the batch mean, weighted by `sample_weight` or `class_weight` as the loss is) as `nll` in
+the training logs (`keras_dvi.objective`), so that the logged `loss` is `nll + kl`.
 """
 
 import math
@@ -16,10 +17,6 @@ from keras_dvi.maths import moments
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
-def _report(nll, probabilities=None):
-    objective.report_nll(ops.mean(nll), probabilities)
-
-
 def _moments(y_pred, loss, sampled_loss):
     """`packing.unpack(y_pred)` for the moment loss `loss` (a sampled model's weight samples
     refused, `objective.refuse_samples`)."""
@@ -29,7 +26,8 @@ def _moments(y_pred, loss, sampled_loss):
 
 
 class _ValidatingLoss(keras.losses.Loss):
-    """Base of the keras-dvi losses: the `validate` flag and its config entry."""
+    """Base of the keras-dvi losses: the `validate` flag and its config entry, and the report of
+    the step's `nll` (`__call__`)."""
 
     #: Whether the likelihood is categorical (a classifier): `kl_weight="auto"` then applies
     #: its rule `min(1, N / P)` (`keras_dvi.priors.auto_kl_weight`); else the ELBO.
@@ -38,6 +36,26 @@ class _ValidatingLoss(keras.losses.Loss):
     def __init__(self, validate=False, reduction="sum_over_batch_size", name=None, dtype=None):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         self.validate = bool(validate)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """Keras' loss (per-example `call`, weighted and reduced by Keras), reported as the step's
+        `nll`: the value that enters the loss, weights included. A classifier also reports its
+        probabilities and its unweighted mean `nll` per example, for the collapse check."""
+        loss = super().__call__(y_true, y_pred, sample_weight=sample_weight)
+        probabilities = self.probabilities(y_pred)
+        per_example = None
+        if probabilities is not None:
+            per_example = loss
+            if sample_weight is not None or self.reduction != "sum_over_batch_size":
+                per_example = self.call(ops.convert_to_tensor(y_true), ops.convert_to_tensor(y_pred))
+            per_example = ops.mean(per_example)
+        objective.report_nll(ops.mean(loss), probabilities, per_example)
+        return loss
+
+    def probabilities(self, y_pred):
+        """A classifier's predicted class probabilities `(batch, C)` for the collapse check of
+        `ELBOTracker`; `None` for regression."""
+        return None
 
     def get_config(self):
         config = super().get_config()
@@ -100,9 +118,7 @@ class HeteroscedasticELL(_ValidatingLoss):
         s_mm, s_ll = variance[:, :dims], variance[:, dims:]
         precision = moments.safe_exp(0.5 * s_ll - log_var)
         nll = 0.5 * (_LOG_2PI + log_var + (s_mm + ops.square(m - cross - y)) * precision)
-        nll = ops.sum(nll, axis=-1)
-        _report(nll)
-        return nll
+        return ops.sum(nll, axis=-1)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -179,9 +195,10 @@ class SoftmaxDeltaELL(_ValidatingLoss):
                 quadratic = ops.sum(ops.square(p) * variance, axis=-1)
             correction = 0.5 * (ops.sum(p * variance, axis=-1) - quadratic)
             ell = log_p - correction[:, None]
-        nll = validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
-        _report(nll, ops.softmax(mean, axis=-1))
-        return nll
+        return validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
+
+    def probabilities(self, y_pred):
+        return ops.softmax(packing.unpack(y_pred)[0], axis=-1)
 
     def get_config(self):
         config = super().get_config()
@@ -258,9 +275,7 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
         f, log_var = y_pred[..., :dims], y_pred[..., dims:]
         precision = moments.safe_exp(-log_var)
         nll = 0.5 * (_LOG_2PI + log_var + ops.square(f - y[:, None, :]) * precision)
-        nll = ops.mean(ops.sum(nll, axis=-1), axis=-1)
-        _report(nll)
-        return nll
+        return ops.mean(ops.sum(nll, axis=-1), axis=-1)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -300,7 +315,8 @@ class SampledSoftmaxELL(_ValidatingLoss):
         labels = validation.check_finite(validation.class_labels(y_true, classes, y_pred.dtype, self.validate), "y_true", self.validate)
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         log_p = y_pred - ops.logsumexp(y_pred, axis=-1, keepdims=True)
-        nll = validation.poison_unlabelled(-ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1), labels)
-        _report(nll, ops.mean(ops.exp(log_p), axis=1))
-        return nll
+        return validation.poison_unlabelled(-ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1), labels)
+
+    def probabilities(self, y_pred):
+        return ops.mean(ops.softmax(y_pred, axis=-1), axis=1)
 

@@ -4,7 +4,8 @@ What `fit` minimises for a keras-dvi network is
 
     loss = nll + w_t * sum_layers KL_layer / N,
 
-with `nll` the batch mean of the negative expected log-likelihood (the keras-dvi loss), `N`
+with `nll` the batch mean of the negative expected log-likelihood (the keras-dvi loss, weighted
+by `sample_weight` / `class_weight` as Keras weighs it), `N`
 the number of training examples given to the prior, and `w_t` the KL weight of training step
 `t`: a linear warm-up from 0 to `kl_weight` over the prior's `kl_warmup_steps`, then
 `kl_weight` (1 is the ELBO; below 1 tempers the posterior, a departure from the ELBO;
@@ -306,9 +307,11 @@ def trace_of(tensor):
     return None
 
 
-def report_nll(nll, probabilities=None):
-    """Called by the keras-dvi losses with the batch mean `nll` (and a classifier's predicted
-    class probabilities `(batch, C)`, for the collapse check): closes the hand-off. KL values
+def report_nll(nll, probabilities=None, per_example=None):
+    """Called by the keras-dvi losses with the step's `nll` (the loss as Keras weighs and
+    reduces it; a classifier adds its predicted class probabilities `(batch, C)` and its
+    unweighted mean `nll` per example `per_example`, for the collapse check): closes the
+    hand-off. KL values
     left by a forward pass of another computation (a `predict` that no loss followed) are
     dropped, not mixed in."""
     record = _open_record()
@@ -326,4 +329,5 @@ def report_nll(nll, probabilities=None):
     total = ops.cast(0.0, "float32")
     for value in kl:
         total = total + ops.cast(value, "float32")
-    record.tracker.update_state(ops.stop_gradient(nll), total, probabilities)
+    record.tracker.update_state(ops.stop_gradient(nll), total, probabilities,
+                                per_example=None if per_example is None else ops.stop_gradient(per_example))

@@ -170,6 +170,31 @@ def test_a_model_with_several_outputs_logs_the_nll_of_every_output():
     np.testing.assert_allclose(logs["nll"] + logs["kl"], logs["loss"], rtol=1e-5)
 
 
+def test_sample_and_class_weights_weigh_the_logged_nll_as_they_weigh_the_loss():
+    """Keras weighs the loss by `sample_weight` / `class_weight`; the logged `nll` is weighted
+    the same (it was the unweighted batch mean), so `loss = nll + kl` holds with weights.
+    Oracle: the NumPy negative expected log-likelihood per example, weighted."""
+    x, y = _data(seed=4)
+    weights = np.linspace(0.2, 3.0, len(x)).astype("float32")
+    model = _model("sequential", kd.EmpiricalBayesRegularizer(64, kl_weight=1.0, kl_warmup_steps=0))
+    history = _frozen_fit(model, x, y, epochs=2, sample_weight=weights)
+    per_example = _numpy_nll(model.predict(x, verbose=0), y)
+    nll, kl = np.mean(weights * per_example), _parts(model, x, y, 64)[1]
+    np.testing.assert_allclose(history["nll"], nll, rtol=1e-5)
+    np.testing.assert_allclose(history["loss"], nll + kl, rtol=1e-5)
+    logs = model.evaluate(x, y, sample_weight=weights, batch_size=64, verbose=0, return_dict=True)
+    np.testing.assert_allclose([logs["nll"], logs["loss"]], [nll, nll + kl], rtol=1e-5)
+    labels = (x[:, 0] > 0).astype("int32")
+    prior = kd.EmpiricalBayesRegularizer(64, kl_weight=1.0, kl_warmup_steps=0)
+    classifier = keras.Sequential([keras.Input((2,)), kd.DenseDVI(8, "relu", regularizer=prior),
+                                   kd.DenseDVI(2, regularizer=prior)])
+    classifier.compile(keras.optimizers.SGD(0.0), loss=kd.SoftmaxDeltaELL())
+    history = classifier.fit(x, labels, batch_size=64, epochs=1, verbose=0, class_weight={0: 1.0, 1: 4.0}).history
+    plain = to_numpy(kd.SoftmaxDeltaELL(reduction=None)(labels, classifier.predict(x, verbose=0)))
+    np.testing.assert_allclose(history["nll"], np.mean(np.where(labels == 1, 4.0, 1.0) * plain), rtol=1e-5)
+    np.testing.assert_allclose(history["loss"], np.add(history["nll"], history["kl"]), rtol=1e-5)
+
+
 def test_every_way_of_writing_a_model_trains_the_same():
     """Keras hands `training=None` to the layers of a subclassed model whose `call` has no
     `training` argument or does not pass it on; its training steps still advance the KL
