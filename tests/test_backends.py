@@ -74,6 +74,7 @@ JAX_SUITE = [
     "tests/test_training.py::test_kl_warmup_ramps_by_training_step_and_evaluation_uses_the_full_weight",
     "tests/test_training.py::test_every_way_of_writing_a_model_trains_the_same",
     "tests/test_training.py::test_a_model_with_several_outputs_logs_the_nll_of_every_output",
+    "tests/test_training.py::test_sample_and_class_weights_weigh_the_logged_nll_as_they_weigh_the_loss",
     "tests/test_training.py::test_an_explicit_training_false_is_respected",
     "tests/test_training.py::test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for[10-6]",
     "tests/test_training.py::test_the_schedule_resumes_after_saving",
@@ -97,6 +98,7 @@ JAX_SUITE = [
     "tests/test_tagi.py::test_update_matches_the_papers_equations",
     "tests/test_tagi.py::test_fit_evaluate_predict_save_and_load",
     "tests/test_tagi.py::test_variances_stay_positive_with_large_batches",
+    "tests/test_tagi.py::test_sample_and_class_weights_are_refused_not_ignored",
     # the TAGI MNIST harness's compiled engine (JAX only): fit's weights, early stopping read off the curves
     "tests/test_tagi_mnist_harness.py::test_compiled_epoch_gives_fits_weights",
     "tests/test_tagi_mnist_harness.py::test_compiled_seeds_read_early_stopping_off_their_curves",

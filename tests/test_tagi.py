@@ -657,6 +657,34 @@ def test_misuse_is_refused():
         model.compile(loss="mse")
 
 
+def test_sample_and_class_weights_are_refused_not_ignored():
+    """A TAGI update has no loss to weigh: weights given to `fit` / `evaluate` were dropped
+    silently."""
+    network = keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(4, "relu"), kd.DenseDiagDVI(1)])
+    model = kd.TAGIModel(network)
+    model.compile()
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    y = x[:, :1]
+    with pytest.raises(ValueError, match=r"sample weights .*repeat its\s+examples"):
+        model.fit(x, y, sample_weight=np.ones(16, "float32"), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"sample weights"):
+        model.evaluate(x, y, sample_weight=np.ones(16, "float32"), verbose=0)
+    classifier = kd.TAGIModel(keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(4, "relu"), kd.DenseDiagDVI(3)]),
+                              classes=3)
+    classifier.compile()
+    with pytest.raises(ValueError, match=r"class_weight"):
+        classifier.fit(x, np.arange(16) % 3, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, epochs=1, verbose=0)
+    import tensorflow as tf
+
+    weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(16, "float32"))).batch(8)
+    with pytest.raises(ValueError, match=r"\(x, y, weights\) data"):
+        model.fit(weighted, epochs=1, verbose=0)
+    # (a fit that raised inside its JAX step leaves the variables with Keras, unset: a new model)
+    model = kd.TAGIModel(keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(4, "relu"), kd.DenseDiagDVI(1)]))
+    model.compile()
+    model.fit(x, y, epochs=1, verbose=0)  # unweighted data trains
+
+
 def test_variances_stay_positive_with_large_batches():
     """Summing a big batch's variance reductions from one prior would overshoot (the paper has
     no guard); the update keeps every variance positive and finite."""

@@ -21,6 +21,25 @@ from keras_dvi.tagi.steps import MAP_LAYERS, WEIGHT_LAYERS, step_of
 REGRESSION, CLASSIFICATION = "regression", "classification"
 
 
+def _refuse_weights(weights):
+    """A `ValueError` when `fit` / `evaluate` give a TAGI model sample weights (`sample_weight`,
+    `class_weight`, or a third element of the data): its update conditions on every
+    observation in closed form, with no loss to weigh, and would ignore them."""
+    if weights is not None:
+        raise ValueError(
+            "TAGIModel received sample weights (`sample_weight` or `class_weight` of fit / evaluate, or "
+            "(x, y, weights) data): its update conditions on every observation in closed form, with no "
+            "loss to weigh, and would ignore them. Remove them; to give a class more weight, repeat its "
+            "examples."
+        )
+
+
+def _unweighted_batch(data):
+    """`(x, y)` of a batch of `fit` / `evaluate`, its sample weights refused."""
+    x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
+    _refuse_weights(weights)
+    return x, y
+
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class TAGIModel(keras.Model):
     """Trains a network of `DenseDiagDVI` (and conv) layers by tractable approximate Gaussian inference.
@@ -177,6 +196,16 @@ class TAGIModel(keras.Model):
             raise ValueError("TAGIModel.compile takes no `optimizer`: TAGI updates the posteriors in closed form.")
         super().compile(optimizer=keras.optimizers.SGD(learning_rate=0.0), **kwargs)
 
+    def fit(self, x=None, y=None, *args, **kwargs):
+        """`keras.Model.fit`; sample weights (`sample_weight`, `class_weight`) are refused."""
+        _refuse_weights(kwargs.get("sample_weight", kwargs.get("class_weight")))
+        return super().fit(x, y, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        """`keras.Model.evaluate`; `sample_weight` is refused."""
+        _refuse_weights(kwargs.get("sample_weight"))
+        return super().evaluate(x, y, *args, **kwargs)
+
     def get_compile_config(self):
         return {"jit_compile": self.jit_compile} if getattr(self, "compiled", False) else None
 
@@ -271,11 +300,11 @@ class TAGIModel(keras.Model):
         if len(args) == 2:  # JAX: a stateless step on (state, data)
             state, data = args
             trainable, non_trainable, optimizer_vars, metric_vars = state
-            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            x, y = _unweighted_batch(data)
             new_trainable, scores = self._step(list(trainable), x, y)
             logs, metric_vars = self._stateless_metrics(metric_vars, scores)
             return logs, (new_trainable, non_trainable, optimizer_vars, metric_vars)
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(args[0])
+        x, y = _unweighted_batch(args[0])
         variables = self.trainable_variables
         new_values, scores = self._step([v.value for v in variables], x, y)
         for variable, old, new in zip(variables, [v.value for v in variables], new_values):
@@ -287,12 +316,12 @@ class TAGIModel(keras.Model):
         if len(args) == 2:
             state, data = args
             trainable, non_trainable, metric_vars = state
-            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            x, y = _unweighted_batch(data)
             params = self._params(list(trainable), self._variable_indices())
             _, (mz, sz, _) = self._forward(params, x)
             logs, metric_vars = self._stateless_metrics(metric_vars, self._scores(mz, sz, y))
             return logs, (trainable, non_trainable, metric_vars)
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(args[0])
+        x, y = _unweighted_batch(args[0])
         mz, sz = packing.split(self(x))[:2]
         return self._update_metrics(self._scores(mz, sz, y))
 
