@@ -501,6 +501,19 @@ _BINARY_LOSSES = (keras.losses.BinaryCrossentropy, keras.losses.BinaryFocalCross
 _BINARY_LOSS_NAMES = ("binary_crossentropy",)
 
 
+#: Keras losses of a plain model that make it a regression of the mean of Gaussian targets.
+_MEAN_SQUARED_LOSS_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
+
+
+def _is_mean_regression(model, graph):
+    """Whether the plain model has one output and is compiled with the mean squared error (a
+    Gaussian likelihood of fixed variance, whose keras-dvi counterpart learns the variance)."""
+    loss = getattr(model, "loss", None)
+    mse = (isinstance(loss, keras.losses.MeanSquaredError) or loss is keras.losses.mean_squared_error
+           or isinstance(loss, str) and loss in _MEAN_SQUARED_LOSS_NAMES)
+    return mse and len(graph.outputs) == 1
+
+
 def _is_classifier(model, graph):
     """Whether the plain model is a classifier: its output applies a softmax, or it is compiled
     with a categorical cross-entropy (binary classifiers: `_is_binary`)."""
@@ -623,9 +636,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     plain model ends in a softmax (or a binary classifier's sigmoid) or is compiled with a
     categorical (or binary) cross-entropy, the
     converted model is compiled with `SoftmaxDeltaELL` and a fresh copy of the plain model's
-    optimizer (`Adam(1e-3)` if it had none); compile it again to change either. A regression
-    model whose head predicts a mean only needs a noise model before training: append
-    `keras_dvi.HomoscedasticNoise()` and compile with `HeteroscedasticELL`.
+    optimizer (`Adam(1e-3)` if it had none); compile it again to change either. **A regression
+    model compiled with the mean squared error** comes back with a learned noise variance,
+    `keras_dvi.HomoscedasticNoise()` after its output (the paper's homoscedastic DVI), compiled
+    with `HeteroscedasticELL` and the optimizer's copy. Any other regression model comes back
+    uncompiled: append a noise model (`HomoscedasticNoise`, or give the output a second unit of
+    log noise variances per target) and compile with `HeteroscedasticELL`.
 
     Args:
         model: a built `Sequential` or functional Keras model.
@@ -642,7 +658,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
 
     Returns:
         A new, built Keras model of keras-dvi layers (the plain model is left as it is),
-        compiled with `SoftmaxDeltaELL` if the plain model is a classifier.
+        compiled with `SoftmaxDeltaELL` if the plain model is a classifier, with a learned noise
+        variance and `HeteroscedasticELL` if it is compiled with the mean squared error.
 
     Examples:
         >>> plain.fit(x_train, y_train, epochs=20)
@@ -800,6 +817,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             return layer(*args, **kwargs)
 
         converted = keras.models.clone_model(source, clone_function=clone, call_function=call)
+        if converted.compiled:  # (Keras compiles a clone as the source: with the plain model's loss)
+            converted = keras.Model(converted.input, converted.output, name=converted.name)
     stacked = [layer for layer in converted.layers
                if isinstance(layer, dvi.DepthwiseConv2DDVI) and _unbounded(layer.activation)]
     if len(stacked) > 1:  # measured: the guide's "The whole network against Monte Carlo"
@@ -838,9 +857,17 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             "`trainable = True` on the converted model.",
             stacklevel=2)
     _copy_weights(kept)
-    if classifier:
+    loss = losses.SoftmaxDeltaELL() if classifier else None
+    if not classifier and _is_mean_regression(model, graph):  # a learned noise variance, as hoDVI
+        noise = dvi.HomoscedasticNoise(name=f"{converted.name}_noise")
+        if isinstance(converted, keras.Sequential):
+            converted.add(noise)
+        else:
+            converted = keras.Model(converted.inputs, noise(converted.outputs[0]), name=converted.name)
+        loss = losses.HeteroscedasticELL()
+    if loss is not None:
         optimizer = getattr(model, "optimizer", None)
         optimizer = (keras.optimizers.Adam(1e-3) if optimizer is None
                      else type(optimizer).from_config(optimizer.get_config()))
-        converted.compile(optimizer=optimizer, loss=losses.SoftmaxDeltaELL())
+        converted.compile(optimizer=optimizer, loss=loss)
     return converted

@@ -224,6 +224,39 @@ def test_a_converted_model_trains_saves_and_loads(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_a_regression_compiled_with_the_mean_squared_error_comes_back_with_a_learned_noise(kind, tmp_path):
+    """A plain regression under "mse" (a Gaussian of fixed variance) converts to the paper's
+    homoscedastic DVI: `HomoscedasticNoise` after the output, compiled with `HeteroscedasticELL`
+    and a copy of the optimizer; its mean is the plain prediction at tiny variances, and it
+    trains. Under any other loss (here "mae") it comes back uncompiled, as before."""
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(96, 3)).astype("float32")
+    y = (np.sin(2 * x[:, :1]) + 0.2 * rng.normal(size=(96, 1))).astype("float32")
+    layers = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    if kind == "sequential":
+        plain = keras.Sequential([keras.Input((3,)), *layers])
+    else:
+        inputs = keras.Input((3,))
+        plain = keras.Model(inputs, layers[1](layers[0](inputs)))
+    plain.compile(keras.optimizers.Adam(5e-3), loss="mse")
+    tiny = kd.convert(plain, **TINY)
+    assert [type(layer).__name__ for layer in tiny.layers if not isinstance(layer, keras.layers.InputLayer)] == [
+        "DenseDiagDVI", "DenseDVI", "HomoscedasticNoise"]
+    assert isinstance(tiny.loss, kd.HeteroscedasticELL) and tiny.optimizer is not plain.optimizer
+    assert float(to_numpy(tiny.optimizer.learning_rate)) == pytest.approx(5e-3)
+    np.testing.assert_allclose(kd.predict(tiny, x)["mean"], to_numpy(plain(x)), rtol=1e-4, atol=1e-5)
+    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(len(x)))
+    history = converted.fit(x, y, epochs=40, batch_size=32, verbose=0).history
+    assert history["nll"][-1] < history["nll"][0] and np.isfinite(history["loss"]).all()
+    path = str(tmp_path / "regression.keras")
+    converted.save(path)
+    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), converted.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-7)
+    plain.compile(keras.optimizers.Adam(5e-3), loss="mae")
+    assert not kd.convert(plain, **TINY).compiled
+
+
 #: `keras.applications` families that convert: `(constructor, input size, keras-dvi layers it needs)`.
 APPLICATIONS = {
     "ResNet50": (keras.applications.ResNet50, 32, {"ZeroPadding2DDVI", "AddDVI"}),
