@@ -45,7 +45,7 @@ _NO_GAUSSIAN_RULE = {
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
 #: The activations `convert` carries, for messages.
 _SUPPORTED = ("'relu', 'relu6', 'leaky_relu' (slope 0.2), 'hard_silu' / 'hard_swish', 'hard_sigmoid', "
-              "'silu' / 'swish', 'gelu' (exact), 'sigmoid' or 'linear'")
+              "'silu' / 'swish', 'gelu' (exact), 'sigmoid', 'tanh' or 'linear'")
 
 
 def _activation_of(layer):
@@ -443,7 +443,7 @@ def _plan(graph):
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}"
                     f"{'' if name else ' ' + repr(_function_name(layer))}) can be folded only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
                     f"alone, or stand on a feature map, with activation {_SUPPORTED} (a softmax only at the "
-                    "output); other functions (tanh, softplus, ReLU with other bounds or thresholds, ...) have no "
+                    "output); other functions (softplus, ELU, ReLU with other bounds or thresholds, ...) have no "
                     "Gaussian moment rule in keras-dvi. To keep the layers up to it plain, convert only the "
                     "layers after it (`last_layers=k`).")
             if batch_norm:

@@ -233,7 +233,7 @@ def test_a_regression_compiled_with_the_mean_squared_error_comes_back_with_a_lea
     rng = np.random.default_rng(12)
     x = rng.normal(size=(96, 3)).astype("float32")
     y = (np.sin(2 * x[:, :1]) + 0.2 * rng.normal(size=(96, 1))).astype("float32")
-    layers = [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    layers = [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
     if kind == "sequential":
         plain = keras.Sequential([keras.Input((3,)), *layers])
     else:
@@ -501,7 +501,7 @@ def test_nested_models_convert_layer_by_layer():
 
 
 def test_last_layers_misuse_is_refused():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="softplus"), keras.layers.Dense(3)])
     assert [type(layer).__name__ for layer in kd.convert(model, last_layers=1).layers] == ["Dense", "DenseDVI"]
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="`last_layers`"):
@@ -533,6 +533,7 @@ def _gated_network(gate):
     (lambda x: keras.layers.ReLU(6.0)(x + 3.0) * (1.0 / 6.0), "hard_sigmoid"),  # MobileNetV3's
     (lambda x: keras.ops.divide(keras.layers.ReLU(6.0)(3.0 + x), 6.0), "hard_sigmoid"),  # scalar first, a divide
     (lambda x: keras.ops.sigmoid(x), "sigmoid"),  # a keras.ops call
+    (lambda x: keras.ops.tanh(x), "tanh"),
     (lambda x: keras.layers.Activation("relu")(x * 1.0), "relu"),  # an operation, then an activation layer
 ])
 def test_operations_that_compute_an_activation_fold_into_the_layer_before_them(gate, activation):
@@ -553,7 +554,7 @@ def test_operations_that_compute_an_activation_fold_into_the_layer_before_them(g
 def test_operations_that_compute_no_supported_activation_are_refused_by_name():
     for gate in (lambda x: x * 2.0,  # affine, no activation
                  lambda x: keras.layers.ReLU(6.0)(x + 3.0),  # relu6(x + 3): a shifted ReLU6
-                 lambda x: keras.ops.tanh(x)):
+                 lambda x: keras.ops.softplus(x)):
         with pytest.raises(ValueError, match="operation '.*' \\(keras.ops [A-Za-z]+: an operator or keras.ops call"):
             kd.convert(_gated_network(gate))
     # a gate computed from the feature map itself, not from its layer alone, is no activation
@@ -569,16 +570,16 @@ def test_what_cannot_be_converted_is_refused_by_name():
         with pytest.raises(ValueError, match=match):
             kd.convert(model)
 
-    refused([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)], "'dense.*' has activation 'tanh'")
+    refused([keras.layers.Dense(4, activation="softplus"), keras.layers.Dense(2)], "'dense.*' has activation 'softplus'")
     refused([keras.layers.Dense(4, activation="relu"), keras.layers.BatchNormalization(name="norm"),
              keras.layers.Dense(2)], "BatchNormalization 'norm' can be folded only into a linear")
-    refused([keras.layers.Dense(4), keras.layers.Activation("tanh", name="act"), keras.layers.Dense(2)],
-            "activation layer 'act' \\(Activation 'tanh'\\).*convert only the layers after it \\(`last_layers=k`\\)")
+    refused([keras.layers.Dense(4), keras.layers.Activation("elu", name="act"), keras.layers.Dense(2)],
+            "activation layer 'act' \\(Activation 'elu'\\).*convert only the layers after it \\(`last_layers=k`\\)")
     # on a feature map that another layer also reads: an ActivationDVI, if keras-dvi has the function's rule
     inputs = keras.Input((6, 6, 2))
     h = keras.layers.Conv2D(3, 3)(inputs)
     h = keras.layers.Add()([h, keras.layers.Conv2D(3, 1)(keras.layers.Activation("softplus", name="soft")(h))])
-    with pytest.raises(ValueError, match="activation layer 'soft' \\(Activation 'softplus'\\).*tanh, softplus"):
+    with pytest.raises(ValueError, match="activation layer 'soft' \\(Activation 'softplus'\\).*softplus, ELU"):
         kd.convert(keras.Model(inputs, keras.layers.Flatten()(h)))
     # an operation on a tensor (MobileNetV3's hard sigmoid is `relu6(x + 3.0) * (1 / 6)`), named as one
     inputs = keras.Input((6, 6, 2))

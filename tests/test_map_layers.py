@@ -181,6 +181,7 @@ def test_channels_first_computes_the_same_and_the_layers_save(tmp_path):
     ("silu", keras.layers.Activation("silu"), 3.0),
     ("gelu", keras.layers.Activation("gelu"), 2.0),
     ("sigmoid", keras.layers.Activation("sigmoid"), 3.0),
+    ("tanh", keras.layers.Activation("tanh"), 2.0),
 ])
 def test_activation_matches_monte_carlo_through_keras_layers(activation, keras_layer, stretch):
     """`ActivationDVI` on a map against Keras' own activation layer on draws of the map: each

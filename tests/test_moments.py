@@ -231,19 +231,23 @@ SMOOTH_FNS = {
     "gelu": (lambda a: a * _normal_cdf(a), lambda a: _normal_cdf(a) + a * math.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)),
     "sigmoid": (lambda a: 1.0 / (1.0 + math.exp(-a)) if a > -700 else 0.0,
                 lambda a: (lambda s: s * (1.0 - s))(1.0 / (1.0 + math.exp(-a))) if a > -700 else 0.0),
+    "tanh": (math.tanh, lambda a: 1.0 - math.tanh(a) ** 2),
 }
 #: The smooth activations' stated accuracy (float64, `|m| <= 4 sd`): `(below SMOOTH_SWITCH, S <= 4,
 #: 4 < S <= 100)`, each `(variance relative, mean / sd, slope absolute)`; GELU is exact (closed form).
+#: (tanh, `2 sigmoid(2a) - 1`, bends at half the sigmoid's scale: its quadrature below the switch
+#: is as accurate as the sigmoid's at `4 S`, its errors above it those of the sigmoid at `4 S`.)
 SMOOTH_ERRORS = {
     "silu": ((1e-9, 1e-9, 1e-9), (2e-3, 1e-4, 1e-3), (5e-2, 5e-3, 2e-3)),
     "sigmoid": ((1e-9, 1e-9, 1e-9), (1e-3, 1e-4, 1e-4), (4e-2, 1e-2, 1e-3)),
+    "tanh": ((1e-7, 1e-9, 1e-8), (1e-2, 3e-3, 1e-3), (4e-2, 1e-2, 1e-3)),
     "gelu": ((1e-9, 1e-9, 1e-9),) * 3,
 }
 
 
 @pytest.mark.parametrize("activation", sorted(SMOOTH_FNS))
 def test_smooth_activations_match_quadrature_within_the_stated_error(activation):
-    """SiLU, GELU and sigmoid against adaptive quadrature of the exact integrals: the mean, the
+    """SiLU, GELU, sigmoid and tanh against adaptive quadrature of the exact integrals: the mean, the
     variance (taken about the mean: no cancellation where it is tiny) and `E[f'(a)]`, on means
     within 4 sd of 0 and beyond (the tails: absolute errors against `S`), variances from 1e-8 to
     100 on both sides of `SMOOTH_SWITCH`. Exact to round-off below the switch and for GELU;
@@ -310,7 +314,7 @@ def test_expected_derivative_matches_closed_form(activation):
 
 
 @pytest.mark.parametrize("activation", ["relu", "leaky_relu", "heaviside", "relu6", "hard_silu", "hard_sigmoid", "silu", "gelu",
-                                        "sigmoid"])
+                                        "sigmoid", "tanh"])
 def test_moments_and_slope_gradients_match_finite_differences(activation):
     """`activation_moments_and_slope` (ReLU's with its hand-written gradient): ReLU's values are
     the closed forms, and every activation's gradient matches central finite differences in

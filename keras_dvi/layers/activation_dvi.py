@@ -22,7 +22,7 @@ class ActivationDVI(MapLayer):
 
     Args:
         activation: `"relu"`, `"relu6"`, `"hard_silu"`, `"hard_sigmoid"`, `"leaky_relu"`, `"heaviside"`, `"silu"` (`"swish"`),
-            `"gelu"`, `"sigmoid"` or `None` (linear).
+            `"gelu"`, `"sigmoid"`, `"tanh"` or `None` (linear).
         data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
             `keras.config.image_data_format()`.
 

@@ -22,7 +22,7 @@ class AddDVI(MapLayer):
 
     Args:
         activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
-            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"` or `"sigmoid"`, applied to
+            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`, applied to
             the sum (as in `relu(x + F(x))`).
         data_format: `"channels_last"` or `"channels_first"` (where the channel axis is: the
             shared components are per channel); `None` (default) is

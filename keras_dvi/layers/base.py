@@ -49,7 +49,7 @@ class BayesianLayer(KerasDVILayer):
 
     Args:
         activation: `None`/`"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
-            slope 0.2), or `"relu6"`, `"hard_silu"`, `"hard_sigmoid"`, `"silu"` (`"swish"`), `"gelu"`, `"sigmoid"` (these six not
+            slope 0.2), or `"relu6"`, `"hard_silu"`, `"hard_sigmoid"`, `"silu"` (`"swish"`), `"gelu"`, `"sigmoid"`, `"tanh"` (these seven not
             in `DenseDVI` / `SkipDVI`, which propagate a full covariance).
         use_bias: whether the layer has a (Bayesian) bias.
         kernel_mean_initializer: Keras initializer of the kernel posterior means.

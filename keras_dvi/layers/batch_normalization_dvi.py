@@ -30,7 +30,7 @@ class BatchNormalizationDVI(MapLayer):
         center: whether the layer has `beta` (default `True`).
         scale: whether the layer has `gamma` (default `True`).
         activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
-            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"` or `"sigmoid"`, applied after
+            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`, applied after
             the normalisation (as in `BatchNormalization` + `ReLU`).
         data_format: `"channels_last"` or `"channels_first"` (where the channel axis is);
             `None` (default) is `keras.config.image_data_format()`.

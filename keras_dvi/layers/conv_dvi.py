@@ -260,7 +260,7 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
             channels last around the moment maths.
         dilation_rate: positive integer or tuple (default 1).
         activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
-            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"` or `"sigmoid"`.
+            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`.
         use_bias: whether to use a Bayesian bias.
         kernel_mean_initializer: initializer of the kernel posterior means (`"he_normal"`).
         bias_mean_initializer: initializer of the bias posterior means.

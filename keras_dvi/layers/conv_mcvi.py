@@ -82,7 +82,7 @@ _DOC = """{rank}D convolution with a factorised Gaussian posterior, trained by s
             `keras.config.image_data_format()`.
         dilation_rate: positive integer or tuple (default 1).
         activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
-            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"` or `"sigmoid"`.
+            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`.
         num_samples: kernel draws per call (first layer; later layers follow its sample axis).
         seed: integer seed of the draws (`None`: from Keras' global seed).
         **kwargs: the other arguments of `Conv{rank}DDVI` (`use_bias`, initializers,

@@ -25,7 +25,7 @@ class DenseMCVI(DenseBase):
     Args:
         units: positive integer, output width.
         activation: `None` (linear), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
-            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"` or `"sigmoid"`.
+            `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`.
         num_samples: weight draws per call (first layer; later layers follow its sample axis).
         local_reparameterization: draw pre-activations instead of weights (see above).
         seed: integer seed of the draws (`None`: from Keras' global seed).

@@ -141,7 +141,7 @@ _AVERAGE_HOW = """The window average of Gaussian units: exact within keras-dvi's
 
 _MAX_ARGS = """
         activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`, `"hard_silu"`, `"hard_sigmoid"`,
-            `"silu"`, `"gelu"` or `"sigmoid"`, applied to the max (see above)."""
+            `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`, applied to the max (see above)."""
 
 
 def _doc(kind, rank, how):

@@ -70,7 +70,7 @@ def canonical_activation(activation):
         activation: `None`, `"linear"`, `"relu"`, `"heaviside"`, `"leaky_relu"` (negative
             slope `LEAKY_SLOPE` = 0.2), `"relu6"` (`min(max(x, 0), 6)`), `"hard_silu"` (alias
             `"hard_swish"`, `x relu6(x + 3) / 6`), `"hard_sigmoid"` (`relu6(x + 3) / 6`), or the smooth
-            `"silu"` (alias `"swish"`), `"gelu"` (exact, `x Phi(x)`) and `"sigmoid"`
+            `"silu"` (alias `"swish"`), `"gelu"` (exact, `x Phi(x)`), `"sigmoid"` and `"tanh"`
             (case-insensitive). Keras' activation functions of these names are accepted too.
 
     Returns:
@@ -441,7 +441,7 @@ def _hard_sigmoid_moments_and_slope(mean, variance):
 
 
 # --------------------------------------------------------------------------------------------
-# Smooth activations (SiLU / swish, GELU, sigmoid): closed forms and quadrature
+# Smooth activations (SiLU / swish, GELU, sigmoid, tanh): closed forms and quadrature
 # --------------------------------------------------------------------------------------------
 
 #: Gauss-Hermite nodes of the smooth activations' moments (probabilists' form, weights summing
@@ -564,6 +564,16 @@ _SILU_COMPANION = (lambda x: x * normal_cdf(PROBIT_SLOPE * x), _scaled_gelu_clos
 _SIGMOID_COMPANION = (lambda x: normal_cdf(PROBIT_SLOPE * x), _probit_closed)
 
 
+def _tanh_closed(mean, variance):
+    """`(E[g], Var[g], E[g'])` of `g(x) = 2 Phi(2 lambda x) - 1`, tanh's companion (as
+    `tanh(x) = 2 sigmoid(2x) - 1`): `_probit_closed` at `(2m, 4S)`, rescaled."""
+    mean_g, var_g, slope_g = _probit_closed(2.0 * mean, 4.0 * variance)
+    return 2.0 * mean_g - 1.0, 4.0 * var_g, 4.0 * slope_g
+
+
+_TANH_COMPANION = (lambda x: 2.0 * normal_cdf(2.0 * PROBIT_SLOPE * x) - 1.0, _tanh_closed)
+
+
 def _silu_moments_and_slope(mean, variance):
     """SiLU / swish `x sigmoid(x)` (EfficientNet): `_smooth_moments` with companion
     `x Phi(lambda x)`, `lambda = sqrt(pi / 8)`."""
@@ -575,6 +585,12 @@ def _sigmoid_moments_and_slope(mean, variance):
     `Phi(lambda x)`, `lambda = sqrt(pi / 8)`."""
     return _smooth_moments(ops.sigmoid, lambda x: ops.sigmoid(x) * (1.0 - ops.sigmoid(x)), _SIGMOID_COMPANION,
                            mean, variance)
+
+
+def _tanh_moments_and_slope(mean, variance):
+    """The hyperbolic tangent (recurrent and older dense networks): `_smooth_moments` with
+    companion `2 Phi(2 lambda x) - 1`, `lambda = sqrt(pi / 8)`."""
+    return _smooth_moments(ops.tanh, lambda x: 1.0 - ops.square(ops.tanh(x)), _TANH_COMPANION, mean, variance)
 
 
 def _gelu_moments_and_slope(mean, variance):
@@ -1101,6 +1117,7 @@ _ACTIVATIONS = {
         Activation("silu", ops.silu, moments_and_slope=_silu_moments_and_slope),
         Activation("gelu", lambda x: ops.gelu(x, approximate=False), moments_and_slope=_gelu_moments_and_slope),
         Activation("sigmoid", ops.sigmoid, moments_and_slope=_sigmoid_moments_and_slope, bounded=True),
+        Activation("tanh", ops.tanh, moments_and_slope=_tanh_moments_and_slope, bounded=True),
     )
 }
 #: Activations whose pairwise covariance has a closed form here (`DenseDVI`'s full covariance).
