@@ -7,7 +7,7 @@ import keras
 import numpy as np
 
 from keras_dvi import layers as dvi
-from keras_dvi import losses, validation
+from keras_dvi import losses, metrics, validation
 from keras_dvi.maths import moments
 
 #: Plain layers and their keras-dvi counterparts (layers without weights).
@@ -635,8 +635,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     **A classifier comes back compiled**, ready for `fit` and `keras_dvi.predict`: when the
     plain model ends in a softmax (or a binary classifier's sigmoid) or is compiled with a
     categorical (or binary) cross-entropy, the
-    converted model is compiled with `SoftmaxDeltaELL` and a fresh copy of the plain model's
-    optimizer (`Adam(1e-3)` if it had none); compile it again to change either. **A regression
+    converted model is compiled with `SoftmaxDeltaELL` (with the plain loss's `label_smoothing`)
+    and a fresh copy of the plain model's optimizer (`Adam(1e-3)` if it had none); compile it
+    again to change either. An accuracy metric carries over as `MeanLogitAccuracy`, the mean
+    squared error of a regression as `PredictiveMSE` (a warning names the others). **A regression
     model compiled with the mean squared error** comes back with a learned noise variance,
     `keras_dvi.HomoscedasticNoise()` after its output (the paper's homoscedastic DVI), compiled
     with `HeteroscedasticELL` and the optimizer's copy. Any other regression model comes back
@@ -857,8 +859,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             "`trainable = True` on the converted model.",
             stacklevel=2)
     _copy_weights(kept)
-    loss = losses.SoftmaxDeltaELL() if classifier else None
-    if not classifier and _is_mean_regression(model, graph):  # a learned noise variance, as hoDVI
+    loss = None
+    if classifier:
+        loss = losses.SoftmaxDeltaELL(label_smoothing=float(getattr(model.loss, "label_smoothing", 0.0) or 0.0))
+    elif _is_mean_regression(model, graph):  # a learned noise variance, as hoDVI
         noise = dvi.HomoscedasticNoise(name=f"{converted.name}_noise")
         if isinstance(converted, keras.Sequential):
             converted.add(noise)
@@ -869,5 +873,37 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         optimizer = getattr(model, "optimizer", None)
         optimizer = (keras.optimizers.Adam(1e-3) if optimizer is None
                      else type(optimizer).from_config(optimizer.get_config()))
-        converted.compile(optimizer=optimizer, loss=loss)
+        converted.compile(optimizer=optimizer, loss=loss, metrics=_carried_metrics(model, classifier))
     return converted
+
+
+#: The plain model's metrics that `convert` carries, by name (`compile(metrics=[...])`): their
+#: keras-dvi counterparts, which read packed moments.
+_CARRIED_METRICS = {
+    **dict.fromkeys(("accuracy", "acc", "sparse_categorical_accuracy", "categorical_accuracy", "binary_accuracy",
+                     "SparseCategoricalAccuracy", "CategoricalAccuracy", "BinaryAccuracy"), metrics.MeanLogitAccuracy),
+    **dict.fromkeys(("mse", "mean_squared_error", "MeanSquaredError"), metrics.PredictiveMSE),
+}
+
+
+def _carried_metrics(model, classifier):
+    """The keras-dvi counterparts of the plain model's compiled metrics (`_CARRIED_METRICS`:
+    accuracy for a classifier, the squared error for a regression); a warning names those
+    without one."""
+    config = model.get_compile_config() if getattr(model, "compiled", False) else None
+    names = []
+    for entry in keras.tree.flatten((config or {}).get("metrics") or []):
+        name = entry.get("class_name") if isinstance(entry, dict) else entry
+        names.append(name if isinstance(name, str) else repr(entry))
+    wanted = metrics.MeanLogitAccuracy if classifier else metrics.PredictiveMSE
+    carried = [name for name in names if _CARRIED_METRICS.get(name) is wanted]
+    dropped = [name for name in names if _CARRIED_METRICS.get(name) is not wanted]
+    if dropped:
+        warnings.warn(
+            f"keras_dvi.convert: the plain model's metric{'s' * (len(dropped) > 1)} {', '.join(map(repr, dropped))} "
+            f"{'are' if len(dropped) > 1 else 'is'} not carried over: "
+            "as Keras' metrics they would read the packed means and variances as predictions. keras_dvi.metrics "
+            "has MeanLogitAccuracy, PredictiveMSE and PredictiveLogLikelihood (compile the converted model again "
+            "to add them), and keras_dvi.predict gives the predictions to score.",
+            stacklevel=3)
+    return [wanted()] if carried else None

@@ -17,6 +17,17 @@ from keras_dvi.maths import moments
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
+def _replicas(reduction):
+    """The number of replicas by which Keras divides a mean loss under `tf.distribute` (their
+    gradients are summed), 1 elsewhere: the logged `nll` is the loss of the whole batch."""
+    if keras.backend.backend() != "tensorflow" or reduction not in ("sum_over_batch_size", "mean",
+                                                                     "mean_with_sample_weight"):
+        return 1
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
 def _moments(y_pred, loss, sampled_loss):
     """`packing.unpack(y_pred)` for the moment loss `loss` (a sampled model's weight samples
     refused, `objective.refuse_samples`)."""
@@ -42,6 +53,7 @@ class _ValidatingLoss(keras.losses.Loss):
         `nll`: the value that enters the loss, weights included. A classifier also reports its
         probabilities and its unweighted mean `nll` per example, for the collapse check."""
         loss = super().__call__(y_true, y_pred, sample_weight=sample_weight)
+        reported = ops.mean(loss) * _replicas(self.reduction)
         probabilities = self.probabilities(y_pred)
         per_example = None
         if probabilities is not None:
@@ -49,7 +61,7 @@ class _ValidatingLoss(keras.losses.Loss):
             if sample_weight is not None or self.reduction != "sum_over_batch_size":
                 per_example = self.call(ops.convert_to_tensor(y_true), ops.convert_to_tensor(y_pred))
             per_example = ops.mean(per_example)
-        objective.report_nll(ops.mean(loss), probabilities, per_example)
+        objective.report_nll(reported, probabilities, per_example)
         return loss
 
     def probabilities(self, y_pred):
@@ -60,6 +72,39 @@ class _ValidatingLoss(keras.losses.Loss):
     def get_config(self):
         config = super().get_config()
         config["validate"] = self.validate
+        return config
+
+
+class _ClassificationLoss(_ValidatingLoss):
+    """Base of the keras-dvi classification losses: the labels (`validation.class_labels`) with
+    Keras' label smoothing, `y (1 - label_smoothing) + label_smoothing / C` (as Keras'
+    `CategoricalCrossentropy` and, for two classes, `BinaryCrossentropy`)."""
+
+    #: A classification loss: under it a prior's default `kl_weight="auto"` weighs the KL
+    #: `min(1, N / P)`.
+    categorical = True
+
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name=None, dtype=None, label_smoothing=0.0):
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
+        if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float))
+                or not 0.0 <= label_smoothing <= 1.0):
+            raise ValueError(f"Argument `label_smoothing` must be a number in [0, 1]; received "
+                             f"label_smoothing={label_smoothing!r}.")
+        self.label_smoothing = float(label_smoothing)
+
+    def labels(self, y_true, classes, dtype):
+        """`y_true` as rows `(batch, classes)`, checked, smoothed (a row of an out-of-range label
+        stays all zero, for `validation.poison_unlabelled`)."""
+        labels = validation.check_finite(validation.class_labels(y_true, classes, dtype, self.validate), "y_true",
+                                         self.validate)
+        if not self.label_smoothing:
+            return labels
+        mass = ops.sum(labels, axis=-1, keepdims=True)
+        return labels * (1.0 - self.label_smoothing) + mass * (self.label_smoothing / classes)
+
+    def get_config(self):
+        config = super().get_config()
+        config["label_smoothing"] = self.label_smoothing
         return config
 
 
@@ -122,7 +167,7 @@ class HeteroscedasticELL(_ValidatingLoss):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SoftmaxDeltaELL(_ValidatingLoss):
+class SoftmaxDeltaELL(_ClassificationLoss):
     """Negative expected log-likelihood of a softmax (categorical) likelihood over logits.
 
     (A classification loss: under it, a prior's default `kl_weight="auto"` weighs the KL
@@ -156,15 +201,17 @@ class SoftmaxDeltaELL(_ValidatingLoss):
         reduction: Keras loss reduction (default: mean over the batch).
         name: loss name.
         dtype: dtype of the loss computation.
+        label_smoothing: in `[0, 1]`: the labels become `y (1 - label_smoothing) +
+            label_smoothing / C`, as in Keras' `CategoricalCrossentropy` (and, for two
+            classes, `BinaryCrossentropy`).
 
     Examples:
         >>> model.compile(keras.optimizers.Adam(1e-3), loss=SoftmaxDeltaELL())  # doctest: +SKIP
     """
 
-    categorical = True
-
-    def __init__(self, method="jankowiak", validate=False, reduction="sum_over_batch_size", name="softmax_delta_ell", dtype=None):
-        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
+    def __init__(self, method="jankowiak", validate=False, reduction="sum_over_batch_size", name="softmax_delta_ell",
+                 dtype=None, label_smoothing=0.0):
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype, label_smoothing=label_smoothing)
         if method not in ("delta", "jankowiak"):
             raise ValueError(
                 f"Argument `method` must be 'delta' or 'jankowiak'; received method={method!r}."
@@ -179,7 +226,7 @@ class SoftmaxDeltaELL(_ValidatingLoss):
                 "SoftmaxDeltaELL needs a model output with one logit per class (at least 2 "
                 f"units); received {classes} unit(s)."
             )
-        labels = validation.check_finite(validation.class_labels(y_true, classes, mean.dtype, self.validate), "y_true", self.validate)
+        labels = self.labels(y_true, classes, mean.dtype)
         mean = validation.check_finite(mean, "y_pred", self.validate)
         variance = ops.diagonal(second, axis1=-2, axis2=-1) if len(second.shape) == 3 else second
         mean = validation.check_packed_variances(mean, variance, "SoftmaxDeltaELL", self.validate)
@@ -279,7 +326,7 @@ class SampledHeteroscedasticELL(_ValidatingLoss):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SampledSoftmaxELL(_ValidatingLoss):
+class SampledSoftmaxELL(_ClassificationLoss):
     """Monte Carlo negative expected softmax log-likelihood over sampled logits (a
     classification loss, as `SoftmaxDeltaELL`).
 
@@ -291,6 +338,7 @@ class SampledSoftmaxELL(_ValidatingLoss):
         reduction: Keras loss reduction (default: mean over the batch).
         name: loss name.
         dtype: dtype of the loss computation.
+        label_smoothing: as in `SoftmaxDeltaELL`.
 
     Examples:
         >>> model = keras.Sequential([keras.Input((64,)),
@@ -299,10 +347,9 @@ class SampledSoftmaxELL(_ValidatingLoss):
         >>> model.compile(keras.optimizers.Adam(1e-2), loss=SampledSoftmaxELL())
     """
 
-    categorical = True
-
-    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_softmax_ell", dtype=None):
-        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
+    def __init__(self, validate=False, reduction="sum_over_batch_size", name="sampled_softmax_ell", dtype=None,
+                 label_smoothing=0.0):
+        super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype, label_smoothing=label_smoothing)
 
     def call(self, y_true, y_pred):
         y_pred = _samples(y_pred, "SampledSoftmaxELL", "SoftmaxDeltaELL", y_true, self.validate)
@@ -312,7 +359,7 @@ class SampledSoftmaxELL(_ValidatingLoss):
                 "SampledSoftmaxELL needs one logit per class (at least 2 units); received "
                 f"{classes} unit(s)."
             )
-        labels = validation.check_finite(validation.class_labels(y_true, classes, y_pred.dtype, self.validate), "y_true", self.validate)
+        labels = self.labels(y_true, classes, y_pred.dtype)
         y_pred = validation.check_finite(y_pred, "y_pred", self.validate)
         log_p = y_pred - ops.logsumexp(y_pred, axis=-1, keepdims=True)
         return validation.poison_unlabelled(-ops.mean(ops.sum(labels[:, None, :] * log_p, axis=-1), axis=-1), labels)

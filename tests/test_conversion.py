@@ -224,6 +224,29 @@ def test_a_converted_model_trains_saves_and_loads(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
 
 
+def test_a_classifier_keeps_its_label_smoothing_and_accuracy_metric():
+    """The plain loss's label smoothing carries over to `SoftmaxDeltaELL` (it was dropped), its
+    accuracy metric to `MeanLogitAccuracy`; a metric without a keras-dvi counterpart is named
+    in a warning."""
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(64, 3)).astype("float32")
+    labels = np.eye(3)[(x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")]
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    plain.compile("adam", keras.losses.CategoricalCrossentropy(label_smoothing=0.1), metrics=["accuracy", "mae"])
+    with pytest.warns(UserWarning, match=r"metric 'mae' is not carried over"):
+        converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(len(x)))
+    assert converted.loss.label_smoothing == pytest.approx(0.1)
+    history = converted.fit(x, labels, epochs=1, verbose=0).history
+    assert sorted(history) == ["kl", "loss", "mean_logit_accuracy", "nll"]
+    plain.compile("adam", "sparse_categorical_crossentropy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing dropped, nothing to say
+        converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(len(x)))
+    assert converted.loss.label_smoothing == 0.0 and sorted(converted.fit(
+        x, labels.argmax(-1), epochs=1, verbose=0).history) == ["kl", "loss", "nll"]
+
+
 @pytest.mark.parametrize("kind", ["sequential", "functional"])
 def test_a_regression_compiled_with_the_mean_squared_error_comes_back_with_a_learned_noise(kind, tmp_path):
     """A plain regression under "mse" (a Gaussian of fixed variance) converts to the paper's

@@ -169,6 +169,46 @@ def test_two_class_labels_are_the_probability_of_class_one():
         SoftmaxDeltaELL()(np.array([0.0, 1.0, 2.0, 0.0, 1.0, 1.0]), wide)
 
 
+def test_label_smoothing_is_keras_label_smoothing():
+    """`label_smoothing` smooths the labels as Keras' cross-entropies do: at tiny logit
+    variances the loss is Keras' `CategoricalCrossentropy(label_smoothing=...)` of the logits,
+    and for two classes `BinaryCrossentropy(label_smoothing=...)` of the logit z of the logits
+    (0, z); `SampledSoftmaxELL` on samples that all equal the logits likewise."""
+    rng = np.random.default_rng(12)
+    logits = rng.normal(scale=2.0, size=(6, 4)).astype("float32")
+    labels = rng.integers(0, 4, size=6)
+    tiny = pack(logits, np.full((6, 4), 1e-9, "float32"))
+    want = to_numpy(keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.2, reduction=None)(
+        np.eye(4)[labels], logits))
+    for method in ("jankowiak", "delta"):
+        got = SoftmaxDeltaELL(method=method, label_smoothing=0.2, reduction=None)(labels, tiny)
+        np.testing.assert_allclose(to_numpy(got), want, rtol=1e-5)
+    samples = np.repeat(logits[:, None, :], 3, axis=1)
+    np.testing.assert_allclose(to_numpy(_sampled_softmax(samples, labels, 0.2)), want, rtol=1e-5)
+    z = logits[:, 0]
+    binary = pack(np.stack([np.zeros_like(z), z], axis=-1), np.full((6, 2), 1e-9, "float32"))
+    soft = np.array([0.0, 1.0, 1.0, 0.9, 0.0, 0.3], "float32")
+    want = to_numpy(keras.losses.BinaryCrossentropy(from_logits=True, label_smoothing=0.1, reduction=None)(
+        soft[:, None], z[:, None]))
+    np.testing.assert_allclose(to_numpy(SoftmaxDeltaELL(label_smoothing=0.1, reduction=None)(soft, binary)), want,
+                               rtol=1e-5, atol=1e-6)
+    loss = SoftmaxDeltaELL(label_smoothing=0.1)
+    assert SoftmaxDeltaELL.from_config(loss.get_config()).label_smoothing == 0.1
+    for bad in (-0.1, 1.5, "0.1", True, float("nan")):
+        with pytest.raises(ValueError, match="label_smoothing"):
+            SoftmaxDeltaELL(label_smoothing=bad)
+    # an out-of-range label still poisons its row (smoothing does not give it mass)
+    out = to_numpy(_compiled(lambda y: SoftmaxDeltaELL(label_smoothing=0.1, reduction=None)(y, tiny))(
+        np.array([0, 1, 2, 3, 4, 0], "int32")))
+    assert np.isnan(out[4]) and np.isfinite(np.delete(out, 4)).all()
+
+
+def _sampled_softmax(samples, labels, label_smoothing):
+    """`SampledSoftmaxELL` per example, called as in a step of a model with sampling layers."""
+    loss = keras_dvi.SampledSoftmaxELL(label_smoothing=label_smoothing, reduction=None)
+    return loss.call(keras.ops.convert_to_tensor(labels), keras.ops.convert_to_tensor(samples))
+
+
 def test_fractional_class_labels_are_refused():
     """With three or more classes a label of shape `(batch,)` names a class: 1.5 was cast to
     class 1. Eagerly an error names the label; in a compiled step its loss is NaN."""
