@@ -9,7 +9,7 @@ networks without gradients. The public API, by topic:
   `HomoscedasticNoise`, `TargetScaling`;
 * convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
-  `GlobalAveragePooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
+  `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
   `BatchNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
@@ -58,6 +58,8 @@ _EXPORTS = {
     "AveragePooling2DDVI": "keras_dvi.layers",
     "GlobalAveragePooling1DDVI": "keras_dvi.layers",
     "GlobalAveragePooling2DDVI": "keras_dvi.layers",
+    "GlobalMaxPooling1DDVI": "keras_dvi.layers",
+    "GlobalMaxPooling2DDVI": "keras_dvi.layers",
     "FlattenDVI": "keras_dvi.layers",
     "AddDVI": "keras_dvi.layers",
     "ActivationDVI": "keras_dvi.layers",

@@ -20,7 +20,12 @@ _POOLING = {
 _GLOBAL_POOLING = {
     keras.layers.GlobalAveragePooling1D: dvi.GlobalAveragePooling1DDVI,
     keras.layers.GlobalAveragePooling2D: dvi.GlobalAveragePooling2DDVI,
+    keras.layers.GlobalMaxPooling1D: dvi.GlobalMaxPooling1DDVI,
+    keras.layers.GlobalMaxPooling2D: dvi.GlobalMaxPooling2DDVI,
 }
+#: The max poolings, onto which the ReLU of a convolution moves (`_pooled_producer`).
+_MAX_POOLING = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.GlobalMaxPooling1D,
+                keras.layers.GlobalMaxPooling2D)
 _CONV = {keras.layers.Conv1D: dvi.Conv1DDVI, keras.layers.Conv2D: dvi.Conv2DDVI}
 #: Zero padding and cropping: `(keras-dvi class, name of the argument)`.
 _RESHAPING = {
@@ -357,8 +362,7 @@ def _elementwise_activation(start, end):
 def _takes_activation(layer):
     """Whether an activation after `layer` folds into it: a `Dense`, a convolution, a max
     pooling or an `Add` (keras-dvi's counterparts apply their own `activation`)."""
-    return _is_weight_layer(layer) or isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
-                                                         keras.layers.Add))
+    return _is_weight_layer(layer) or isinstance(layer, (*_MAX_POOLING, keras.layers.Add))
 
 
 def _operation_activations(graph, plain):
@@ -452,7 +456,7 @@ def _plan(graph):
                 activation[id(producer)] = name
             identity.add(id(layer))
     for layer in graph.layers:  # the ReLU of a convolution moves to the max pooling it feeds
-        if not isinstance(layer, (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D)):
+        if not isinstance(layer, _MAX_POOLING):
             continue
         producer, reader = _pooled_producer(graph, layer, identity)
         if (isinstance(producer, tuple(_CONV)) and graph.only_reader(producer) is reader
@@ -600,7 +604,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
     | `DepthwiseConv2D` | `DepthwiseConv2DDVI` |
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
-    | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
+    | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `GlobalMaxPooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
     | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
@@ -731,7 +735,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 raise ValueError(f"keras_dvi.convert: {layer.name!r} keeps its dimensions for a layer other than a 1x1 "
                                  "convolution, Reshape, Flatten or Dropout; keras-dvi's global pooling returns the "
                                  "dense form (keepdims=False).")
-            converted = _GLOBAL_POOLING[type(layer)](data_format=layer.data_format, name=layer.name)
+            extra = {"activation": act} if act not in (None, "linear") else {}
+            converted = _GLOBAL_POOLING[type(layer)](data_format=layer.data_format, name=layer.name, **extra)
         elif isinstance(layer, keras.layers.Flatten):
             converted = dvi.FlattenDVI(data_format=layer.data_format, name=layer.name)
         elif type(layer) in _RESHAPING:

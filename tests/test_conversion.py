@@ -195,6 +195,29 @@ def test_sequential_networks_every_other_layer():
     np.testing.assert_allclose(to_numpy(kd.unpack(converted(signals))[0]), to_numpy(cnn(signals)), rtol=1e-4, atol=1e-5)
 
 
+def test_a_text_cnn_with_global_max_pooling_converts_whole():
+    """Keras' text classifier (embedding, `Conv1D` with a ReLU, `GlobalMaxPooling1D`, dense
+    layers) converts whole: the ReLU moves onto the global max (the same function), the
+    embedding stays plain; at tiny variances the converted model computes the plain function."""
+    tokens = np.random.default_rng(5).integers(0, 50, size=(6, 12))
+    plain = keras.Sequential([keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
+                              keras.layers.Conv1D(6, 3, activation="relu"), keras.layers.GlobalMaxPooling1D(),
+                              keras.layers.Dense(5, activation="relu"), keras.layers.Dense(3, activation="softmax")])
+    converted = kd.convert(plain, **TINY)
+    assert [type(layer).__name__ for layer in converted.layers] == [
+        "Embedding", "Conv1DDVI", "GlobalMaxPooling1DDVI", "DenseDiagDVI", "DenseDVI"]
+    assert converted.layers[1].activation == "linear" and converted.layers[2].activation == "relu"
+    mean = kd.unpack(converted(tokens))[0]
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(tokens)), rtol=1e-4, atol=1e-6)
+    images = _images(rows=4, size=9, channels=2)
+    inputs = keras.Input((9, 9, 2))
+    pooled = keras.layers.GlobalMaxPooling2D()(keras.layers.Conv2D(4, 3)(inputs))
+    plain = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Activation("relu")(pooled)))
+    converted = kd.convert(plain, **TINY)
+    assert [layer.activation for layer in converted.layers if isinstance(layer, kd.GlobalMaxPooling2DDVI)] == ["relu"]
+    np.testing.assert_allclose(to_numpy(kd.unpack(converted(images))[0]), to_numpy(plain(images)), rtol=1e-4, atol=1e-5)
+
+
 def test_a_converted_model_trains_saves_and_loads(tmp_path):
     """Train plain, convert, fine-tune with the ELBO; the `.keras` file predicts the same; a
     `Normalization` layer keeps its adapted statistics."""

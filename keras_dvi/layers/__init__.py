@@ -24,6 +24,8 @@ from keras_dvi.layers.pooling_dvi import (
     AveragePooling2DDVI,
     GlobalAveragePooling1DDVI,
     GlobalAveragePooling2DDVI,
+    GlobalMaxPooling1DDVI,
+    GlobalMaxPooling2DDVI,
     MaxPooling1DDVI,
     MaxPooling2DDVI,
 )
@@ -35,5 +37,6 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "GlobalInducingDense", "GlobalInducingConv2D", "GlobalInducingDenseDVI", "InducingInputs", "SampledHomoscedasticNoise", "DenseMCVI", "TargetScaling",
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
+           "GlobalMaxPooling1DDVI", "GlobalMaxPooling2DDVI",
            "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "ZeroPadding1DDVI",
            "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI"]

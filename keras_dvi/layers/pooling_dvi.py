@@ -1,5 +1,5 @@
-"""Pooling layers on keras-dvi feature maps: max, average and global average pooling
-(`keras_dvi.conv_moments` holds their maths)."""
+"""Pooling layers on keras-dvi feature maps: max, average, global average and global max
+pooling (`keras_dvi.conv_moments` holds their maths)."""
 
 import warnings
 
@@ -35,16 +35,13 @@ def _window(layer):
     return {"pool_size": layer.pool_size, "strides": layer.strides, "padding": layer.padding}
 
 
-class MaxPoolingDVI(MapLayer):
-    """Base class of `MaxPooling1DDVI` / `MaxPooling2DDVI` (see `MaxPooling2DDVI`)."""
+class _Max(MapLayer):
+    """The max poolings' `activation`, applied to the max, and the warning when the layer
+    before applies one instead."""
 
-    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, activation=None, **kwargs):
+    def __init__(self, data_format=None, activation=None, **kwargs):
         super().__init__(data_format=data_format, **kwargs)
-        _pooling_arguments(self, pool_size, strides, padding)
         self.activation = moments.canonical_activation(activation)
-
-    def _output_shape(self, input_shape):
-        return _pooled_shape(self, input_shape)
 
     def compute_output_spec(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
@@ -64,9 +61,28 @@ class MaxPoolingDVI(MapLayer):
             )
         return super().compute_output_spec(*args, **kwargs)
 
-    def _propagate(self, mean, variance, shared):
+    def _known_spatial_shape(self, mean):
         if any(n is None for n in mean.shape[1:-1]):
             raise ValueError(f"{type(self).__name__} needs inputs of known spatial shape; received {tuple(mean.shape)}.")
+
+    def get_config(self):
+        config = super().get_config()
+        config["activation"] = None if self.activation == "linear" else self.activation
+        return config
+
+
+class MaxPoolingDVI(_Max):
+    """Base class of `MaxPooling1DDVI` / `MaxPooling2DDVI` (see `MaxPooling2DDVI`)."""
+
+    def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, activation=None, **kwargs):
+        super().__init__(data_format=data_format, activation=activation, **kwargs)
+        _pooling_arguments(self, pool_size, strides, padding)
+
+    def _output_shape(self, input_shape):
+        return _pooled_shape(self, input_shape)
+
+    def _propagate(self, mean, variance, shared):
+        self._known_spatial_shape(mean)
         pooled = conv_moments.max_pool_moments(mean, variance, shared, **_window(self))
         return packing.pack_map(*conv_moments.activation_moments(*pooled, self.activation))
 
@@ -77,7 +93,6 @@ class MaxPoolingDVI(MapLayer):
     def get_config(self):
         config = super().get_config()
         config.update(_window(self))
-        config["activation"] = None if self.activation == "linear" else self.activation
         return config
 
 
@@ -208,6 +223,62 @@ _GLOBAL_DOC = """The mean over all positions of a keras-dvi feature map ({rank}D
     Output shape:
         Packed `(batch, 2, channels)`: means and variances.
     """
+
+
+class GlobalMaxPoolingDVI(_Max):
+    """Base class of `GlobalMaxPooling1DDVI` / `GlobalMaxPooling2DDVI`."""
+
+    maps_out = False
+
+    def _output_shape(self, input_shape):
+        _, channels = self._structure(input_shape)
+        return packing.packed_shape(input_shape, channels, full=False)
+
+    def _propagate(self, mean, variance, shared):
+        self._known_spatial_shape(mean)
+        mean, variance = conv_moments.global_max_pool_moments(mean, variance, shared)
+        if not moments.get_activation(self.activation).identity:
+            mean, variance, _ = moments.activation_moments_and_slope(mean, variance, self.activation)
+        return packing.pack(mean, variance)
+
+    def _sample(self, samples):
+        return apply_activation(ops.max(samples, axis=tuple(range(2, len(samples.shape) - 1))), self.activation)
+
+
+_GLOBAL_MAX_DOC = """The max over all positions of a keras-dvi feature map ({rank}D), as
+    `keras.layers.GlobalMaxPooling{rank}D`, in the dense keras-dvi form.
+
+    Clark's (1961) recursion, as `MaxPooling{rank}DDVI` takes it over a window, here over every
+    position as a balanced tree of pairwise maxima (`log2(positions)` steps, the pairs of a
+    step at once); the channels of the result are independent. Put the activation here, not
+    on the conv layer before it (see `MaxPooling{rank}DDVI`). Follow it with `DenseDiagDVI` or
+    `DenseDVI`.
+
+    Args:
+        data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
+            `keras.config.image_data_format()`.
+        activation: `None` (default) or an activation of `MaxPooling{rank}DDVI`, applied to
+            the max.
+
+    Input shape:
+        A packed feature map `(batch, 3, {dims}, channels)` (channels first:
+        `(batch, 3, channels, {dims})`) of known spatial shape.
+
+    Output shape:
+        Packed `(batch, 2, channels)`: means and variances.
+    """
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class GlobalMaxPooling1DDVI(GlobalMaxPoolingDVI):
+    __doc__ = _GLOBAL_MAX_DOC.format(rank=1, dims="steps")
+    rank = 1
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class GlobalMaxPooling2DDVI(GlobalMaxPoolingDVI):
+    __doc__ = _GLOBAL_MAX_DOC.format(rank=2, dims="rows, cols")
+    rank = 2
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")

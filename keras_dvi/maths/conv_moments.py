@@ -455,6 +455,31 @@ def global_average_pool_moments(mean, variance, shared):
     return ops.sum(mean, axis=axes) / positions, ops.sum(residual, axis=axes) / ops.square(positions) + ops.square(shared_p)
 
 
+def global_max_pool_moments(mean, variance, shared):
+    """Moments of the max over all positions, `(batch, channels)` each: Clark's recursion over
+    the positions in order (`max_pair_moments`, correlations from the shared components), a
+    `keras.ops.scan`. The result's channels are independent, as after a global average.
+
+    In order, each step takes the running max (a Gaussian approximation) and one exact
+    position. A balanced tree of pairwise maxima, which needs fewer steps, approximates both
+    sides of its later steps and under-stated the variance far more: on 64 positions whose
+    means differ by less than their sds, 0.38 of Monte Carlo's (median) against 0.64 in order.
+
+    Returns:
+        `(mean, variance)`.
+    """
+    positions = math.prod(int(n) for n in mean.shape[1:-1])
+    taps = [ops.moveaxis(ops.reshape(t, (-1, positions, t.shape[-1])), 1, 0) for t in (mean, variance, shared)]
+    first, rest = zip(*(ops.split(t, [1], axis=0) for t in taps))  # (slices: see max_pool_moments)
+    carry = tuple(ops.squeeze(t, axis=0) for t in first)
+    if positions > 1:
+        def step(running, tap):
+            return max_pair_moments(*running, *tap), None
+
+        carry, _ = ops.scan(step, carry, rest)
+    return carry[0], ops.maximum(carry[1], 0.0)
+
+
 def flatten_moments(mean, variance):
     """Means and variances of a feature map as `(batch, features)` vectors, in the order of
     `keras.layers.Flatten` (channels last). The shared factors are dropped (module docstring)."""
