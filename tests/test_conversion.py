@@ -289,6 +289,7 @@ def test_a_regression_compiled_with_the_mean_squared_error_comes_back_with_a_lea
     tiny = kd.convert(plain, **TINY)
     assert [type(layer).__name__ for layer in tiny.layers if not isinstance(layer, keras.layers.InputLayer)] == [
         "DenseDiagDVI", "DenseDVI", "HomoscedasticNoise"]
+    assert tiny.layers[-1].log_variance_scale == 10.0  # the Appendix H scale (BENCHMARKS.md)
     assert isinstance(tiny.loss, kd.HeteroscedasticELL) and tiny.optimizer is not plain.optimizer
     assert float(to_numpy(tiny.optimizer.learning_rate)) == pytest.approx(5e-3)
     np.testing.assert_allclose(kd.predict(tiny, x)["mean"], to_numpy(plain(x)), rtol=1e-4, atol=1e-5)
