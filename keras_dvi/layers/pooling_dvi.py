@@ -35,54 +35,63 @@ def _window(layer):
     return {"pool_size": layer.pool_size, "strides": layer.strides, "padding": layer.padding}
 
 
-class _Max(MapLayer):
-    """The max poolings' `activation`, applied to the max, and the warning when the layer
-    before applies one instead."""
-
-    def __init__(self, data_format=None, activation=None, **kwargs):
-        super().__init__(data_format=data_format, **kwargs)
-        self.activation = moments.canonical_activation(activation)
-
-    def compute_output_spec(self, *args, **kwargs):
-        inputs = args[0] if args else kwargs.get("inputs")
-        producer = producer_of(inputs) if keras.utils.is_keras_tensor(inputs) else None
-        if getattr(producer, "activation", "linear") != "linear" and not getattr(producer, "warned_pooling", False):
-            producer.warned_pooling = True
-            warnings.warn(
-                f"{type(self).__name__} {self.name!r} follows {type(producer).__name__} {producer.name!r}, "
-                f"which applies activation={producer.activation!r}: the max is then taken of non-Gaussian "
-                "activations, and its moments are less accurate (means off by up to 0.4 predictive "
-                "sd, BENCHMARKS.md). Move the activation to the pooling layer, the same function "
-                "(the max commutes with monotone activations): "
-                f"`{type(producer).__name__}(..., activation=None)`, "
-                f"`{type(self).__name__}(..., activation={producer.activation!r})`.",
-                UserWarning,
-                stacklevel=2,
-            )
-        return super().compute_output_spec(*args, **kwargs)
-
-    def _known_spatial_shape(self, mean):
-        if any(n is None for n in mean.shape[1:-1]):
-            raise ValueError(f"{type(self).__name__} needs inputs of known spatial shape; received {tuple(mean.shape)}.")
-
-    def get_config(self):
-        config = super().get_config()
-        config["activation"] = None if self.activation == "linear" else self.activation
-        return config
+def _warn_activation_before_max(layer, args, kwargs):
+    """Warns (once per producer) when a max pooling `layer` is built on a layer that applies an
+    activation itself: the max is then taken of non-Gaussian activations."""
+    inputs = args[0] if args else kwargs.get("inputs")
+    producer = producer_of(inputs) if keras.utils.is_keras_tensor(inputs) else None
+    if getattr(producer, "activation", "linear") != "linear" and not getattr(producer, "warned_pooling", False):
+        producer.warned_pooling = True
+        warnings.warn(
+            f"{type(layer).__name__} {layer.name!r} follows {type(producer).__name__} {producer.name!r}, "
+            f"which applies activation={producer.activation!r}: the max is then taken of non-Gaussian "
+            "activations, and its moments are less accurate (means off by up to 0.4 predictive "
+            "sd, BENCHMARKS.md). Move the activation to the pooling layer, the same function "
+            "(the max commutes with monotone activations): "
+            f"`{type(producer).__name__}(..., activation=None)`, "
+            f"`{type(layer).__name__}(..., activation={producer.activation!r})`.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
-class MaxPoolingDVI(_Max):
+def _known_spatial_shape(layer, mean):
+    if any(n is None for n in mean.shape[1:-1]):
+        raise ValueError(f"{type(layer).__name__} needs inputs of known spatial shape; received {tuple(mean.shape)}.")
+
+
+def _activation_config(layer):
+    return {"activation": None if layer.activation == "linear" else layer.activation}
+
+
+def _global_output_shape(layer, input_shape):
+    """The global poolings' dense output shape, `(batch, 2, channels)`."""
+    _, channels = layer._structure(input_shape)
+    return packing.packed_shape(input_shape, channels, full=False)
+
+
+def _positions(samples):
+    """The axes of the positions of weight samples `(batch, samples, *spatial, channels)`."""
+    return tuple(range(2, len(samples.shape) - 1))
+
+
+class MaxPoolingDVI(MapLayer):
     """Base class of `MaxPooling1DDVI` / `MaxPooling2DDVI` (see `MaxPooling2DDVI`)."""
 
     def __init__(self, pool_size=2, strides=None, padding="valid", data_format=None, activation=None, **kwargs):
-        super().__init__(data_format=data_format, activation=activation, **kwargs)
+        super().__init__(data_format=data_format, **kwargs)
         _pooling_arguments(self, pool_size, strides, padding)
+        self.activation = moments.canonical_activation(activation)
 
     def _output_shape(self, input_shape):
         return _pooled_shape(self, input_shape)
 
+    def compute_output_spec(self, *args, **kwargs):
+        _warn_activation_before_max(self, args, kwargs)
+        return super().compute_output_spec(*args, **kwargs)
+
     def _propagate(self, mean, variance, shared):
-        self._known_spatial_shape(mean)
+        _known_spatial_shape(self, mean)
         pooled = conv_moments.max_pool_moments(mean, variance, shared, **_window(self))
         return packing.pack_map(*conv_moments.activation_moments(*pooled, self.activation))
 
@@ -92,7 +101,7 @@ class MaxPoolingDVI(_Max):
 
     def get_config(self):
         config = super().get_config()
-        config.update(_window(self))
+        config.update(_window(self), **_activation_config(self))
         return config
 
 
@@ -193,16 +202,13 @@ class GlobalAveragePoolingDVI(MapLayer):
     """Base class of `GlobalAveragePooling1DDVI` / `GlobalAveragePooling2DDVI`."""
 
     maps_out = False
-
-    def _output_shape(self, input_shape):
-        _, channels = self._structure(input_shape)
-        return packing.packed_shape(input_shape, channels, full=False)
+    _output_shape = _global_output_shape
 
     def _propagate(self, mean, variance, shared):
         return packing.pack(*conv_moments.global_average_pool_moments(mean, variance, shared))
 
     def _sample(self, samples):
-        return ops.mean(samples, axis=tuple(range(2, len(samples.shape) - 1)))
+        return ops.mean(samples, axis=_positions(samples))
 
 
 _GLOBAL_DOC = """The mean over all positions of a keras-dvi feature map ({rank}D), as
@@ -225,24 +231,32 @@ _GLOBAL_DOC = """The mean over all positions of a keras-dvi feature map ({rank}D
     """
 
 
-class GlobalMaxPoolingDVI(_Max):
+class GlobalMaxPoolingDVI(MapLayer):
     """Base class of `GlobalMaxPooling1DDVI` / `GlobalMaxPooling2DDVI`."""
 
     maps_out = False
+    _output_shape = _global_output_shape
 
-    def _output_shape(self, input_shape):
-        _, channels = self._structure(input_shape)
-        return packing.packed_shape(input_shape, channels, full=False)
+    def __init__(self, data_format=None, activation=None, **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        self.activation = moments.canonical_activation(activation)
+
+    def compute_output_spec(self, *args, **kwargs):
+        _warn_activation_before_max(self, args, kwargs)
+        return super().compute_output_spec(*args, **kwargs)
 
     def _propagate(self, mean, variance, shared):
-        self._known_spatial_shape(mean)
+        _known_spatial_shape(self, mean)
         mean, variance = conv_moments.global_max_pool_moments(mean, variance, shared)
         if not moments.get_activation(self.activation).identity:
             mean, variance, _ = moments.activation_moments_and_slope(mean, variance, self.activation)
         return packing.pack(mean, variance)
 
     def _sample(self, samples):
-        return apply_activation(ops.max(samples, axis=tuple(range(2, len(samples.shape) - 1))), self.activation)
+        return apply_activation(ops.max(samples, axis=_positions(samples)), self.activation)
+
+    def get_config(self):
+        return {**super().get_config(), **_activation_config(self)}
 
 
 _GLOBAL_MAX_DOC = """The max over all positions of a keras-dvi feature map ({rank}D), as
