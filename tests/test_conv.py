@@ -356,6 +356,42 @@ def test_global_max_pooling_network_matches_monte_carlo(rank):
     assert 0.9 < np.median(ratio) < 1.1
 
 
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="JAX traces every shape statically")
+def test_global_max_pooling_takes_sequences_of_any_length():
+    """Under TensorFlow a text model takes `keras.Input((None,))`: its global max, traced once
+    for sequences of unknown length (a loop over the positions), gives on each length the
+    moments of the same maps of known length, and trains on batches of different lengths."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(4)
+    spec = tf.TensorSpec((None, None, 3), "float64")
+    pooled = tf.function(conv_moments.global_max_pool_moments, input_signature=[spec] * 3)
+    for steps in (1, 2, 9):
+        m, v, s = _factor_inputs(rng, (2, steps, 3))
+        for got, want in zip(pooled(m, v, s), conv_moments.global_max_pool_moments(m, v, s)):
+            np.testing.assert_allclose(to_numpy(got), to_numpy(want), rtol=1e-12)
+    tokens = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(20, 4)(tokens)
+    prior = kd.EmpiricalBayesRegularizer(32)
+    pooled_map = kd.GlobalMaxPooling1DDVI(activation="relu")(kd.Conv1DDVI(3, 2, regularizer=prior)(h))
+    model = keras.Model(tokens, kd.DenseDVI(2, regularizer=prior)(pooled_map))
+    for steps in (5, 8):
+        assert model.predict(rng.integers(0, 20, size=(3, steps)), verbose=0).shape == (3, 3, 2)
+
+    def batches():  # a batch of another length each step: trained through one trace
+        for steps in (4, 7, 5, 9):
+            x = rng.integers(0, 20, size=(8, steps)).astype("int32")
+            yield x, (x[:, 0] > 10).astype("int32")
+
+    data = tf.data.Dataset.from_generator(batches, output_signature=(tf.TensorSpec((None, None), tf.int32),
+                                                                     tf.TensorSpec((None,), tf.int32)))
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SoftmaxDeltaELL())
+    weights = [to_numpy(w) for w in model.trainable_weights]
+    assert np.isfinite(model.fit(data, epochs=1, verbose=0).history["loss"]).all()
+    assert all(np.isfinite(to_numpy(w)).all() and not np.array_equal(to_numpy(w), w0)
+               for w, w0 in zip(model.trainable_weights, weights))
+
+
 def test_global_max_pool_gradient_matches_finite_differences():
     """The gradient of the global max's moments (Clark's recursion as a scan, the pairwise
     step's hand-written gradient) against central finite differences in float64, along random

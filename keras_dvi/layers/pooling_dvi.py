@@ -246,7 +246,6 @@ class GlobalMaxPoolingDVI(MapLayer):
         return super().compute_output_spec(*args, **kwargs)
 
     def _propagate(self, mean, variance, shared):
-        _known_spatial_shape(self, mean)
         mean, variance = conv_moments.global_max_pool_moments(mean, variance, shared)
         if not moments.get_activation(self.activation).identity:
             mean, variance, _ = moments.activation_moments_and_slope(mean, variance, self.activation)
@@ -276,7 +275,8 @@ _GLOBAL_MAX_DOC = """The max over all positions of a keras-dvi feature map ({ran
 
     Input shape:
         A packed feature map `(batch, 3, {dims}, channels)` (channels first:
-        `(batch, 3, channels, {dims})`) of known spatial shape.
+        `(batch, 3, channels, {dims})`); on TensorFlow the positions may be of any number
+        (`keras.Input((None, channels))`).
 
     Output shape:
         Packed `(batch, 2, channels)`: means and variances.

@@ -458,7 +458,8 @@ def global_average_pool_moments(mean, variance, shared):
 def global_max_pool_moments(mean, variance, shared):
     """Moments of the max over all positions, `(batch, channels)` each: Clark's recursion over
     the positions in order (`max_pair_moments`, correlations from the shared components), a
-    `keras.ops.scan`. The result's channels are independent, as after a global average.
+    `keras.ops.scan`. The result's channels are independent, as after a global average. The
+    number of positions may be unknown (a TensorFlow sequence of any length).
 
     In order, each step takes the running max (a Gaussian approximation) and one exact
     position. A balanced tree of pairwise maxima, which needs fewer steps, approximates both
@@ -468,15 +469,21 @@ def global_max_pool_moments(mean, variance, shared):
     Returns:
         `(mean, variance)`.
     """
-    positions = math.prod(int(n) for n in mean.shape[1:-1])
-    taps = [ops.moveaxis(ops.reshape(t, (-1, positions, t.shape[-1])), 1, 0) for t in (mean, variance, shared)]
-    first, rest = zip(*(ops.split(t, [1], axis=0) for t in taps))  # (slices: see max_pool_moments)
-    carry = tuple(ops.squeeze(t, axis=0) for t in first)
-    if positions > 1:
+    spatial = mean.shape[1:-1]
+    positions = -1 if None in spatial else math.prod(int(n) for n in spatial)  # (-1: a sequence of any length)
+    rows = ops.shape(mean)[0]
+    taps = [ops.moveaxis(ops.reshape(t, (rows, positions, t.shape[-1])), 1, 0) for t in (mean, variance, shared)]
+    carry = tuple(t[0] for t in taps)
+    if positions == -1:  # (a scan needs its length; a loop over the positions' indices does not)
+        def body(i, running):
+            return i + 1, max_pair_moments(*running, *(ops.take(t, i, axis=0) for t in taps))
+
+        _, carry = ops.while_loop(lambda i, _: i < ops.shape(taps[0])[0], body, (1, carry))
+    elif positions > 1:
         def step(running, tap):
             return max_pair_moments(*running, *tap), None
 
-        carry, _ = ops.scan(step, carry, rest)
+        carry, _ = ops.scan(step, carry, tuple(t[1:] for t in taps))
     return carry[0], ops.maximum(carry[1], 0.0)
 
 
