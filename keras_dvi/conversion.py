@@ -868,6 +868,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     loss = None
     if classifier:
         loss = losses.SoftmaxDeltaELL(label_smoothing=float(getattr(model.loss, "label_smoothing", 0.0) or 0.0))
+        if isinstance(model.loss, (keras.losses.BinaryFocalCrossentropy, keras.losses.CategoricalFocalCrossentropy)):
+            warnings.warn(
+                f"keras_dvi.convert: the plain model's {type(model.loss).__name__} is not carried over: the "
+                "converted model is compiled with SoftmaxDeltaELL, the expected log-likelihood, which the focal "
+                "loss's down-weighting of easy examples is not. To balance classes, pass `class_weight` to fit.",
+                stacklevel=2)
     elif _is_mean_regression(model, graph):  # a learned noise variance, as hoDVI
         noise = dvi.HomoscedasticNoise(log_variance_scale=10.0, name=f"{converted.name}_noise")  # (measured: BENCHMARKS.md)
         if isinstance(converted, keras.Sequential):

@@ -249,8 +249,8 @@ def test_a_converted_model_trains_saves_and_loads(tmp_path):
 
 def test_a_classifier_keeps_its_label_smoothing_and_accuracy_metric():
     """The plain loss's label smoothing carries over to `SoftmaxDeltaELL` (it was dropped), its
-    accuracy metric to `MeanLogitAccuracy`; a metric without a keras-dvi counterpart is named
-    in a warning."""
+    accuracy metric to `MeanLogitAccuracy`; a metric without a keras-dvi counterpart, and a
+    focal loss, are named in a warning."""
     rng = np.random.default_rng(13)
     x = rng.normal(size=(64, 3)).astype("float32")
     labels = np.eye(3)[(x[:, 0] > 0).astype("int32") + (x[:, 1] > 1).astype("int32")]
@@ -262,6 +262,9 @@ def test_a_classifier_keeps_its_label_smoothing_and_accuracy_metric():
     assert converted.loss.label_smoothing == pytest.approx(0.1)
     history = converted.fit(x, labels, epochs=1, verbose=0).history
     assert sorted(history) == ["kl", "loss", "mean_logit_accuracy", "nll"]
+    plain.compile("adam", keras.losses.CategoricalFocalCrossentropy())
+    with pytest.warns(UserWarning, match="CategoricalFocalCrossentropy is not carried over.*class_weight"):
+        assert isinstance(kd.convert(plain, **TINY).loss, kd.SoftmaxDeltaELL)
     plain.compile("adam", "sparse_categorical_crossentropy")
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # nothing dropped, nothing to say
