@@ -509,13 +509,17 @@ _BINARY_LOSS_NAMES = ("binary_crossentropy",)
 _MEAN_SQUARED_LOSS_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
 
 
+def _compiled_with(model, kinds, names):
+    """Whether the plain model is compiled with one of the Keras losses `kinds` (instances) or
+    `names` (a string, or a loss function of that name)."""
+    loss = getattr(model, "loss", None)
+    return isinstance(loss, kinds) or (loss if isinstance(loss, str) else getattr(loss, "__name__", None)) in names
+
+
 def _is_mean_regression(model, graph):
     """Whether the plain model has one output and is compiled with the mean squared error (a
     Gaussian likelihood of fixed variance, whose keras-dvi counterpart learns the variance)."""
-    loss = getattr(model, "loss", None)
-    mse = (isinstance(loss, keras.losses.MeanSquaredError) or loss is keras.losses.mean_squared_error
-           or isinstance(loss, str) and loss in _MEAN_SQUARED_LOSS_NAMES)
-    return mse and len(graph.outputs) == 1
+    return len(graph.outputs) == 1 and _compiled_with(model, keras.losses.MeanSquaredError, _MEAN_SQUARED_LOSS_NAMES)
 
 
 def _is_classifier(model, graph):
@@ -523,8 +527,7 @@ def _is_classifier(model, graph):
     with a categorical cross-entropy (binary classifiers: `_is_binary`)."""
     if any(_activation_of(layer) == "softmax" for layer in graph.layers if id(layer) in graph.outputs):
         return True
-    loss = getattr(model, "loss", None)
-    return isinstance(loss, _CLASSIFICATION_LOSSES) or loss in _CLASSIFICATION_LOSS_NAMES
+    return _compiled_with(model, _CLASSIFICATION_LOSSES, _CLASSIFICATION_LOSS_NAMES)
 
 
 def _is_binary(model, graph):
@@ -535,8 +538,7 @@ def _is_binary(model, graph):
         return False
     if _activation_of(outputs[0]) == "sigmoid":
         return True
-    loss = getattr(model, "loss", None)
-    return isinstance(loss, _BINARY_LOSSES) or loss in _BINARY_LOSS_NAMES
+    return _compiled_with(model, _BINARY_LOSSES, _BINARY_LOSS_NAMES)
 
 
 def _output_layers(graph, identity):
@@ -894,7 +896,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
 _CARRIED_METRICS = {
     **dict.fromkeys(("accuracy", "acc", "sparse_categorical_accuracy", "categorical_accuracy", "binary_accuracy",
                      "SparseCategoricalAccuracy", "CategoricalAccuracy", "BinaryAccuracy"), metrics.MeanLogitAccuracy),
-    **dict.fromkeys(("mse", "mean_squared_error", "MeanSquaredError"), metrics.PredictiveMSE),
+    **dict.fromkeys(_MEAN_SQUARED_LOSS_NAMES, metrics.PredictiveMSE),
 }
 
 

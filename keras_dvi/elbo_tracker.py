@@ -72,9 +72,9 @@ class ELBOTracker(keras.metrics.Metric):
         self.totals = self.add_variable(shape=(len(self.FIELDS),), initializer="zeros", name="totals")
         self.collapse_checks = 0  # consecutive checks that found a collapse (Python: read eagerly)
 
-    def update_state(self, nll, kl, probabilities=None, steps=1.0, per_example=None):
+    def update_state(self, nll, kl, probabilities=None, steps=1.0, unweighted=None):
         """Adds a step's `nll` and its `kl`; `probabilities`: a classifier's predicted class
-        probabilities `(batch, C)`, and `per_example` its unweighted mean `nll` per example
+        probabilities `(batch, C)`, and `unweighted` its unweighted mean `nll` per example
         (default: `nll`), for the collapse check, or `None`; `steps` 0 adds the `nll` of a
         further output to the step already counted."""
         step = {"nll": nll, "kl": kl, "steps": steps}
@@ -82,7 +82,7 @@ class ELBOTracker(keras.metrics.Metric):
             probabilities = ops.stop_gradient(ops.cast(probabilities, "float32"))
             information, spread = prediction_information(probabilities)
             step.update(information=information, spread=spread, log_classes=math.log(int(probabilities.shape[-1])),
-                        classified_nll=nll if per_example is None else per_example, classified_steps=1.0)
+                        classified_nll=nll if unweighted is None else unweighted, classified_steps=1.0)
         self.totals.assign_add(ops.stack([ops.cast(step.get(field, 0.0), self.dtype) for field in self.FIELDS]))
 
     def result(self):

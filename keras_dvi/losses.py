@@ -51,17 +51,18 @@ class _ValidatingLoss(keras.losses.Loss):
     def __call__(self, y_true, y_pred, sample_weight=None):
         """Keras' loss (per-example `call`, weighted and reduced by Keras), reported as the step's
         `nll`: the value that enters the loss, weights included. A classifier also reports its
-        probabilities and its unweighted mean `nll` per example, for the collapse check."""
+        probabilities and its unweighted mean `nll` per example, for the collapse check (the
+        loss's per-example values once more only where weights or a reduction other than the
+        batch mean make the two differ)."""
         loss = super().__call__(y_true, y_pred, sample_weight=sample_weight)
         reported = ops.mean(loss) * _replicas(self.reduction)
         probabilities = self.probabilities(y_pred)
-        per_example = None
+        unweighted = None
         if probabilities is not None:
-            per_example = loss
+            unweighted = reported
             if sample_weight is not None or self.reduction != "sum_over_batch_size":
-                per_example = self.call(ops.convert_to_tensor(y_true), ops.convert_to_tensor(y_pred))
-            per_example = ops.mean(per_example)
-        objective.report_nll(reported, probabilities, per_example)
+                unweighted = ops.mean(self.call(ops.convert_to_tensor(y_true), ops.convert_to_tensor(y_pred)))
+        objective.report_nll(reported, probabilities, unweighted)
         return loss
 
     def probabilities(self, y_pred):

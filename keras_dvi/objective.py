@@ -307,10 +307,10 @@ def trace_of(tensor):
     return None
 
 
-def report_nll(nll, probabilities=None, per_example=None):
+def report_nll(nll, probabilities=None, unweighted=None):
     """Called by the keras-dvi losses with the step's `nll` (the loss as Keras weighs and
     reduces it; a classifier adds its predicted class probabilities `(batch, C)` and its
-    unweighted mean `nll` per example `per_example`, for the collapse check): closes the
+    unweighted mean `nll` per example `unweighted`, for the collapse check): closes the
     hand-off. KL values
     left by a forward pass of another computation (a `predict` that no loss followed) are
     dropped, not mixed in."""
@@ -330,4 +330,4 @@ def report_nll(nll, probabilities=None, per_example=None):
     for value in kl:
         total = total + ops.cast(value, "float32")
     record.tracker.update_state(ops.stop_gradient(nll), total, probabilities,
-                                per_example=None if per_example is None else ops.stop_gradient(per_example))
+                                unweighted=None if unweighted is None else ops.stop_gradient(unweighted))

@@ -672,8 +672,9 @@ def test_sample_and_class_weights_are_refused_not_ignored():
     classifier = kd.TAGIModel(keras.Sequential([keras.Input((3,)), kd.DenseDiagDVI(4, "relu"), kd.DenseDiagDVI(3)]),
                               classes=3)
     classifier.compile()
-    with pytest.raises(ValueError, match=r"class_weight"):
-        classifier.fit(x, np.arange(16) % 3, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, epochs=1, verbose=0)
+    for weights in ({}, {"sample_weight": None}):  # (an explicit None beside it too)
+        with pytest.raises(ValueError, match=r"class_weight"):
+            classifier.fit(x, np.arange(16) % 3, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, epochs=1, verbose=0, **weights)
     import tensorflow as tf
 
     weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(16, "float32"))).batch(8)

@@ -193,6 +193,12 @@ def test_sample_and_class_weights_weigh_the_logged_nll_as_they_weigh_the_loss():
     plain = to_numpy(kd.SoftmaxDeltaELL(reduction=None)(labels, classifier.predict(x, verbose=0)))
     np.testing.assert_allclose(history["nll"], np.mean(np.where(labels == 1, 4.0, 1.0) * plain), rtol=1e-5)
     np.testing.assert_allclose(history["loss"], np.add(history["nll"], history["kl"]), rtol=1e-5)
+    # the collapse check compares the unweighted nll per example with a uniform guess
+    tracker = next(m for m in classifier.metrics if isinstance(m, kd.elbo_tracker.ELBOTracker))
+    totals = to_numpy(tracker.totals)
+    index = tracker.INDEX
+    np.testing.assert_allclose(totals[index["classified_nll"]] / totals[index["classified_steps"]], plain.mean(),
+                               rtol=1e-5)
 
 
 def test_every_way_of_writing_a_model_trains_the_same():

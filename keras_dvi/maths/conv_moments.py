@@ -418,18 +418,28 @@ def max_pool_moments(mean, variance, shared, pool_size, strides, padding="valid"
     scan = keras.backend.backend() == "jax"
     taps = _window_taps([mean, variance, shared], [_PAD_MEAN, 0.0, 0.0], pool_size, strides, padding, stacked=scan)
     if scan:
-        def step(carry, tap):
-            return max_pair_moments(*carry, *tap), None
-
-        # (the first tap split off, not indexed: a slice, where indexing became a gather in JAX's
-        # export with a dynamic batch size, which TFLite's builtin operations do not take)
-        first, rest = zip(*(ops.split(t, [1], axis=0) for t in taps))
-        (m, v, s), _ = ops.scan(step, tuple(ops.squeeze(t, axis=0) for t in first), rest)
+        m, v, s = _running_max(taps)
     else:
         m, v, s = (t[0] for t in taps)
         for tap in zip(*(t[1:] for t in taps)):
             m, v, s = max_pair_moments(m, v, s, *tap)
     return m, v, _clip_shared(s, v)
+
+
+def _running_max(taps):
+    """Clark's recursion along the first axis of stacked taps `(means, variances, shared
+    components)`, each `(taps, ...)`, as a `keras.ops.scan` from the first tap. (The first tap
+    is split off, not indexed: a slice, where indexing became a gather in JAX's export with a
+    dynamic batch size, which TFLite's builtin operations do not take.)"""
+    first, rest = zip(*(ops.split(t, [1], axis=0) for t in taps))
+    first = tuple(ops.squeeze(t, axis=0) for t in first)
+    if taps[0].shape[0] == 1:
+        return first
+
+    def step(carry, tap):
+        return max_pair_moments(*carry, *tap), None
+
+    return ops.scan(step, first, rest)[0]
 
 
 def average_pool_moments(mean, variance, shared, pool_size, strides, padding="valid"):
@@ -473,17 +483,13 @@ def global_max_pool_moments(mean, variance, shared):
     positions = -1 if None in spatial else math.prod(int(n) for n in spatial)  # (-1: a sequence of any length)
     rows = ops.shape(mean)[0]
     taps = [ops.moveaxis(ops.reshape(t, (rows, positions, t.shape[-1])), 1, 0) for t in (mean, variance, shared)]
-    carry = tuple(t[0] for t in taps)
     if positions == -1:  # (a scan needs its length; a loop over the positions' indices does not)
         def body(i, running):
             return i + 1, max_pair_moments(*running, *(ops.take(t, i, axis=0) for t in taps))
 
-        _, carry = ops.while_loop(lambda i, _: i < ops.shape(taps[0])[0], body, (1, carry))
-    elif positions > 1:
-        def step(running, tap):
-            return max_pair_moments(*running, *tap), None
-
-        carry, _ = ops.scan(step, carry, tuple(t[1:] for t in taps))
+        _, carry = ops.while_loop(lambda i, _: i < ops.shape(taps[0])[0], body, (1, tuple(t[0] for t in taps)))
+    else:
+        carry = _running_max(taps)
     return carry[0], ops.maximum(carry[1], 0.0)
 
 

@@ -40,6 +40,7 @@ def _unweighted_batch(data):
     _refuse_weights(weights)
     return x, y
 
+
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class TAGIModel(keras.Model):
     """Trains a network of `DenseDiagDVI` (and conv) layers by tractable approximate Gaussian inference.
@@ -198,7 +199,8 @@ class TAGIModel(keras.Model):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         """`keras.Model.fit`; sample weights (`sample_weight`, `class_weight`) are refused."""
-        _refuse_weights(kwargs.get("sample_weight", kwargs.get("class_weight")))
+        for name in ("sample_weight", "class_weight"):
+            _refuse_weights(kwargs.get(name))
         return super().fit(x, y, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
