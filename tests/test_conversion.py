@@ -262,6 +262,9 @@ def test_a_classifier_keeps_its_label_smoothing_and_accuracy_metric():
     assert converted.loss.label_smoothing == pytest.approx(0.1)
     history = converted.fit(x, labels, epochs=1, verbose=0).history
     assert sorted(history) == ["kl", "loss", "mean_logit_accuracy", "nll"]
+    logits = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    logits.compile("adam", keras.losses.sparse_categorical_crossentropy)  # a loss function: a classifier too
+    assert isinstance(kd.convert(logits, **TINY).loss, kd.SoftmaxDeltaELL)
     plain.compile("adam", keras.losses.CategoricalFocalCrossentropy())
     with pytest.warns(UserWarning, match="CategoricalFocalCrossentropy is not carried over.*class_weight"):
         assert isinstance(kd.convert(plain, **TINY).loss, kd.SoftmaxDeltaELL)
