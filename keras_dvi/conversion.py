@@ -223,16 +223,44 @@ def _normalises_channels(batch_norm, producer):
 
 
 def _map_format(graph):
-    """The data format of the model's feature maps (its first convolution's), or `None`."""
-    return next((layer.data_format for layer in graph.layers if isinstance(layer, tuple(_CONV))), None)
+    """The data format of the model's feature maps (its first convolution's; channels last for
+    a `Dense` on sequences or images), or `None`."""
+    pointwise = any(_is_pointwise(layer) for layer in graph.layers)
+    return next((layer.data_format for layer in graph.layers if isinstance(layer, tuple(_CONV))),
+                "channels_last" if pointwise else None)
+
+
+def _is_pointwise(layer):
+    """Whether `layer` is a `Dense` on a sequence or an image (`(batch, ..., features)`: the
+    same weights at every position), a convolution of kernel size 1."""
+    return isinstance(layer, keras.layers.Dense) and len(layer.input.shape) > 2
+
+
+def _pointwise_conv(dense):
+    """The `Conv1D` / `Conv2D` of kernel size 1, built with its weights, that a `Dense` on a
+    sequence or an image is."""
+    rank = len(dense.input.shape) - 2
+    if rank > 2:
+        raise ValueError(f"keras_dvi.convert: Dense {dense.name!r} acts on inputs of shape {tuple(dense.input.shape)}; "
+                         "keras-dvi converts a Dense on vectors, on sequences (a Conv1D of kernel size 1) and on "
+                         "images (a 1x1 Conv2D).")
+    kernel = keras.ops.convert_to_numpy(dense.kernel)
+    conv = (keras.layers.Conv1D if rank == 1 else keras.layers.Conv2D)(
+        dense.units, 1, activation=dense.activation, use_bias=dense.use_bias, name=dense.name,
+        dtype=dense.dtype_policy)
+    conv.build((None,) * (rank + 1) + (kernel.shape[0],))
+    conv.set_weights([kernel.reshape((1,) * rank + kernel.shape)]
+                     + ([keras.ops.convert_to_numpy(dense.bias)] if dense.use_bias else []))
+    return conv
 
 
 def _normalises_map_channels(batch_norm, graph):
-    """Whether a batch normalisation reads a feature map and normalises its channels (what
-    `BatchNormalizationDVI` does)."""
+    """Whether a batch normalisation reads a feature map and normalises its channels, or a
+    vector and normalises its units (what `BatchNormalizationDVI` does)."""
+    if len(batch_norm.input.shape) == 2:
+        return _on_channels(batch_norm, batch_norm.axis, "channels_last")
     data_format = _map_format(graph)
-    return (data_format is not None and len(batch_norm.input.shape) >= 3
-            and _on_channels(batch_norm, batch_norm.axis, data_format))
+    return data_format is not None and _on_channels(batch_norm, batch_norm.axis, data_format)
 
 
 def _sums_of_twins(converted):
@@ -261,8 +289,10 @@ def _is_weight_layer(layer):
 def _plain_parts(layer, on_vector):
     """The plain layers a layer with weights converts as, built with its weights: a
     `SeparableConv2D` is a `DepthwiseConv2D` (linear, no bias) and a 1x1 `Conv2D` (its bias and
-    activation); a 1x1 convolution on a channel vector (`_vectors`) is a `Dense`; any other
-    layer is itself."""
+    activation); a 1x1 convolution on a channel vector (`_vectors`) is a `Dense`, a `Dense` on
+    a sequence or an image a convolution of kernel size 1; any other layer is itself."""
+    if isinstance(layer, keras.layers.Dense):
+        return [_pointwise_conv(layer)] if _is_pointwise(layer) and not on_vector else [layer]
     if on_vector:
         kernel = keras.ops.convert_to_numpy(layer.kernel)
         dense = keras.layers.Dense(layer.filters, activation=layer.activation, use_bias=layer.use_bias,
@@ -308,6 +338,8 @@ def _vectors(graph):
         if isinstance(layer, tuple(_CONV)):
             if all(int(k) == 1 for k in layer.kernel_size) and getattr(layer, "groups", 1) == 1:
                 vectors.add(id(layer))
+        elif isinstance(layer, keras.layers.Dense):
+            vectors.add(id(layer))
         elif _is_operation(layer) or isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten,
                                                          *_INFERENCE_IDENTITY, *_ACTIVATION_LAYERS)):
             vectors.add(id(layer))
@@ -432,9 +464,9 @@ def _plan(graph):
             if batch_norm and not foldable and _normalises_map_channels(layer, graph):
                 activation[id(layer)] = "linear"  # a BatchNormalizationDVI
                 continue
-            if (not batch_norm and not foldable and name not in (None, "softmax") and _map_format(graph) is not None
-                    and len(layer.input.shape) >= 3 and id(layer) not in vectors):
-                activation[id(layer)] = name  # an ActivationDVI: its input has other readers
+            if (not batch_norm and not foldable and name not in (None, "softmax")
+                    and (_map_format(graph) is not None or len(layer.input.shape) == 2)):
+                activation[id(layer)] = name  # an ActivationDVI (on a map or a vector): its input has other readers
                 continue
             if not foldable and producer is not None and _is_operation(producer):
                 raise _operation_refused(producer)
@@ -442,8 +474,8 @@ def _plan(graph):
                 raise ValueError(
                     f"keras_dvi.convert: BatchNormalization {layer.name!r} can be folded only into a linear Dense "
                     "or convolution that feeds it alone, normalising its channels (its inference-time scale and "
-                    "shift then become that layer's weights), or normalise the channels of a feature map "
-                    "(keras_dvi.BatchNormalizationDVI)." if batch_norm else
+                    "shift then become that layer's weights), or normalise the channels of a feature map or the "
+                    "units of a vector (keras_dvi.BatchNormalizationDVI)." if batch_norm else
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}"
                     f"{'' if name else ' ' + repr(_function_name(layer))}) can be folded only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
                     f"alone, or stand on a feature map, with activation {_SUPPORTED} (a softmax only at the "
@@ -603,18 +635,20 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | plain layer | keras-dvi layer |
     |---|---|
     | `Dense` | `DenseDiagDVI` (hidden layers; `hidden_covariance="full"`: `DenseDVI`), `DenseDVI` (model outputs) |
+    | `Dense` on a sequence or an image | `Conv1DDVI` of kernel size 1, 1x1 `Conv2DDVI` (the same function) |
     | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
     | `DepthwiseConv2D` | `DepthwiseConv2DDVI` |
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `GlobalMaxPooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
+    | `Add` of vectors (residual MLPs), `Concatenate` of vectors and inputs (wide and deep) | `AddDVI`, `ConcatenateDVI` |
     | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
     | operations on tensors after a layer that feeds them alone, computing a supported activation elementwise (MobileNetV3's hard sigmoid `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`) | folded into that layer |
-    | the same on a feature map that other layers also read | `ActivationDVI` |
+    | the same on a feature map or vector that other layers also read | `ActivationDVI` |
     | `GlobalAveragePooling2D`, then 1x1 `Conv2D`, `Reshape` (a channel-vector head or gate) | `GlobalAveragePooling2DDVI`, `Dense*DVI`, identities |
     | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
-    | any other `BatchNormalization` on a feature map's channels | `BatchNormalizationDVI` (inference statistics, fixed) |
+    | any other `BatchNormalization` on a feature map's channels or a vector's units | `BatchNormalizationDVI` (inference statistics, fixed) |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
@@ -722,6 +756,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             return placeholder
         act = activation.get(key)
         if _is_weight_layer(layer):
+            if _is_pointwise(layer) and key not in vectors and first_format == "channels_first":
+                raise ValueError(f"keras_dvi.convert: Dense {layer.name!r} acts on the last axis of a channels-first "
+                                 "feature map, a spatial axis; keras-dvi converts a Dense on the channels of a map "
+                                 "(channels last) as a 1x1 convolution.")
             parts = _plain_parts(layer, key in vectors)
             converted = [convert_weights(part, "linear", {"regularizer": regularizer, "name": part.name}, False, None)
                          for part in parts[:-1]]  # (a separable convolution's depthwise part)
@@ -747,9 +785,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted = kind(getattr(layer, argument), data_format=getattr(layer, "data_format", first_format),
                              name=layer.name)
         elif isinstance(layer, keras.layers.Concatenate):
-            if len(layer.input[0].shape) < 3 or not _on_channels(layer, layer.axis, first_format):
-                raise ValueError(f"keras_dvi.convert: Concatenate {layer.name!r} must join feature maps along their "
-                                 "channels (keras_dvi.ConcatenateDVI).")
+            if not _on_channels(layer, layer.axis, first_format if len(layer.input[0].shape) > 2 else "channels_last"):
+                raise ValueError(f"keras_dvi.convert: Concatenate {layer.name!r} must join vectors, or feature maps "
+                                 "along their channels (keras_dvi.ConcatenateDVI).")
             converted = dvi.ConcatenateDVI(data_format=first_format, name=layer.name)
         elif isinstance(layer, keras.layers.BatchNormalization):
             converted = dvi.BatchNormalizationDVI.from_batch_normalization(
@@ -763,8 +801,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                  "keras_dvi.MultiplyDVI).")
             converted = dvi.MultiplyDVI(data_format=first_format, name=layer.name)
         elif isinstance(layer, keras.layers.Add):
-            if len(layer.input) != 2 or len(layer.input[0].shape) < 4:
-                raise ValueError(f"keras_dvi.convert: Add {layer.name!r} must add two feature maps (keras_dvi.AddDVI).")
+            if len(layer.input) != 2:
+                raise ValueError(f"keras_dvi.convert: Add {layer.name!r} must add two feature maps or vectors "
+                                 f"(keras_dvi.AddDVI); it adds {len(layer.input)}. Add them two at a time.")
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
         elif _is_operation(layer):
@@ -780,7 +819,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
                 "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Multiply "
                 "(squeeze-and-excitation), Concatenate "
-                "(channels), ZeroPadding, Cropping, batch normalisation (folded or on feature maps), folded "
+                "(vectors, or channels), ZeroPadding, Cropping, batch normalisation (folded, or on feature maps and "
+                "vectors), folded "
                 "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")

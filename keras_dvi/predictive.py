@@ -304,6 +304,13 @@ def _largest_kernel(model):
 _MAP_GROWTH = 64
 
 
+def _inputs_of(model, x):
+    """`x` as tensors: one, or a structure of them for a model with several inputs."""
+    if len(getattr(model, "inputs", None) or ()) > 1 and isinstance(x, (list, tuple, dict)):
+        return keras.tree.map_structure(ops.convert_to_tensor, x)
+    return ops.convert_to_tensor(x)
+
+
 def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
     """Output samples of `model` under weights drawn from the variational posterior.
 
@@ -316,7 +323,8 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
         model: a keras-dvi layer or a `keras.Model` whose layers are keras-dvi layers
             (deterministic preprocessing layers before the first keras-dvi layer are fine).
         x: deterministic inputs, array or tensor of shape `(batch, features)` (a conv network's:
-            `(batch, *spatial, channels)`).
+            `(batch, *spatial, channels)`); a list or dict of them for a model with several
+            inputs.
         num_samples: number of weight draws (positive integer).
         seed: integer seed for reproducibility, or `None`.
         chunk_size: weight draws per forward pass; default keeps each sampled kernel under
@@ -337,18 +345,20 @@ def weight_samples(model, x, num_samples, seed=None, chunk_size=None):
         raise ValueError(
             f"Argument `num_samples` must be a positive integer; received {num_samples!r}."
         )
-    x = ops.convert_to_tensor(x)
-    if len(x.shape) < 2:
-        raise ValueError(
-            "Argument `x` must be deterministic inputs of shape (batch, features) (conv networks: "
-            f"(batch, *spatial, channels)); received shape {tuple(x.shape)}. Sample Gaussian inputs "
-            "yourself and pass them as rows."
-        )
-    validation.check_finite(x, "x")
+    x = _inputs_of(model, x)
+    for tensor in keras.tree.flatten(x):
+        if len(tensor.shape) < 2:
+            raise ValueError(
+                "Argument `x` must be deterministic inputs of shape (batch, features) (conv networks: "
+                f"(batch, *spatial, channels)); received shape {tuple(tensor.shape)}. Sample Gaussian inputs "
+                "yourself and pass them as rows."
+            )
+        validation.check_finite(tensor, "x")
     if chunk_size is None:
         per_sample = _largest_kernel(model)
-        if len(x.shape) > 2:  # feature maps: the activations dominate
-            per_sample = max(per_sample, math.prod(x.shape) * _MAP_GROWTH)
+        for tensor in keras.tree.flatten(x):
+            if len(tensor.shape) > 2:  # feature maps: the activations dominate
+                per_sample = max(per_sample, math.prod(tensor.shape) * _MAP_GROWTH)
         chunk_size = max(1, int(2.5e7 // per_sample))
     elif int(chunk_size) != chunk_size or chunk_size < 1:
         raise ValueError(
@@ -416,7 +426,8 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
 
     Args:
         model: a keras-dvi model.
-        x: inputs `(n, features)` (conv networks: `(n, *spatial, channels)`).
+        x: inputs `(n, features)` (conv networks: `(n, *spatial, channels)`); a list or dict
+            of them for a model with several inputs.
         num_samples: weight samples (positive integer).
         batch_size: rows per forward pass (default: `model.predict`'s for sampled models, all
             rows at once for moment models).
@@ -441,9 +452,11 @@ def predict_samples(model, x, num_samples, batch_size=None, verbose=0, seed=None
         batch_size = validation.positive_integer("batch_size", batch_size)
         if seed is None:  # one seed for every batch: each sample is one function on all rows
             seed = int(np.random.default_rng().integers(2**31 - 1))
-        x = np.asarray(x)
-        batches = [weight_samples(model, x[i : i + batch_size], num_samples, seed=seed)
-                   for i in range(0, len(x), batch_size)]
+        x = keras.tree.map_structure(np.asarray, _inputs_of(model, x))
+        rows = len(keras.tree.flatten(x)[0])
+        batches = [weight_samples(model, keras.tree.map_structure(lambda t: t[i : i + batch_size], x), num_samples,
+                                  seed=seed)
+                   for i in range(0, rows, batch_size)]
         return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *batches)
     if seed is not None:
         set_sampling_seed(model, seed)

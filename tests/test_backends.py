@@ -89,6 +89,8 @@ JAX_SUITE = [
     "tests/test_conv.py::test_global_max_pool_gradient_matches_finite_differences",
     "tests/test_conv.py::test_max_pair_is_finite_at_the_edges[float64]",
     "tests/test_conv.py::test_trains_saves_and_loads_in_safe_mode",
+    # sums and joins of vectors (full covariances, data, several inputs) against Monte Carlo
+    "tests/test_vectors.py::test_networks_of_independent_branches_match_monte_carlo_over_the_weights[full]",
     # deployment: jax2tf's SavedModel and TFLite's builtin operations (pooling, full covariances, SiLU)
     "tests/test_conversion.py::test_networks_export_and_convert_to_tflite_builtins",
     # (converted networks - folded batch normalisation, Add, ReLU, pooling, a softmax head - train

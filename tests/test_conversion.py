@@ -195,6 +195,79 @@ def test_sequential_networks_every_other_layer():
     np.testing.assert_allclose(to_numpy(kd.unpack(converted(signals))[0]), to_numpy(cnn(signals)), rtol=1e-4, atol=1e-5)
 
 
+def _dense_graphs():
+    """Plain networks of vectors and positions: `(name, model, inputs)`."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 6)).astype("float32")
+    inputs = keras.Input((6,))  # a residual MLP: sums of vectors, an activation after one
+    h = keras.layers.Dense(8, activation="relu")(inputs)
+    h = keras.layers.Add()([h, keras.layers.Dense(8, activation="relu")(h)])
+    h = keras.layers.ReLU()(keras.layers.Add()([h, keras.layers.Dense(8)(h)]))
+    h = keras.layers.BatchNormalization()(h)  # (after a ReLU: on the vector)
+    branch = keras.layers.Activation("relu")(h)  # a pre-activation block: the activation's input has two readers
+    h = keras.layers.Add()([h, keras.layers.Dense(8)(keras.layers.Dropout(0.2)(branch))])
+    residual = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(h))
+    wide, deep = keras.Input((4,)), keras.Input((6,))  # wide and deep: data joined to a Bayesian branch
+    h = keras.layers.Concatenate()([wide, keras.layers.Dense(8, activation="relu")(deep)])
+    wide_deep = keras.Model([wide, deep], keras.layers.Dense(3, activation="softmax")(h))
+    sequences = keras.Input((7, 3))  # Dense on positions: convolutions of kernel size 1
+    h = keras.layers.Dense(5, activation="relu")(sequences)
+    h = keras.layers.Conv1D(4, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Add()([h, keras.layers.Dense(4)(h)])  # a residual sum of 1D maps
+    positions = keras.Model(sequences, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+    images = keras.Input((6, 6, 2))
+    h = keras.layers.Dense(3, activation="relu")(keras.layers.Conv2D(4, 3)(images))
+    pixels = keras.Model(images, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    return [("residual", residual, x), ("wide_deep", wide_deep, [x[:, :4], x]),
+            ("positions", positions, rng.normal(size=(5, 7, 3)).astype("float32")),
+            ("pixels", pixels, rng.normal(size=(5, 6, 6, 2)).astype("float32"))]
+
+
+@pytest.mark.parametrize("hidden_covariance", ["diagonal", "full"])
+def test_dense_networks_with_sums_joins_and_dense_on_positions_convert_whole(hidden_covariance):
+    """Residual MLPs (`Add` of vectors), wide and deep models (`Concatenate` of a second input
+    with a Bayesian branch), a `Dense` on a sequence or an image (a convolution of kernel size
+    1), the residual sum of 1D maps: at tiny variances the plain function."""
+    expected = {"residual": ["DenseDiagDVI", "DenseDiagDVI", "AddDVI", "DenseDiagDVI", "AddDVI",
+                             "BatchNormalizationDVI", "ActivationDVI", "DenseDiagDVI", "AddDVI", "DenseDVI"],
+                "wide_deep": ["DenseDiagDVI", "ConcatenateDVI", "DenseDVI"],
+                "positions": ["Conv1DDVI", "Conv1DDVI", "Conv1DDVI", "AddDVI", "GlobalAveragePooling1DDVI",
+                              "DenseDVI"],
+                "pixels": ["Conv2DDVI", "Conv2DDVI", "FlattenDVI", "DenseDVI"]}
+    for name, plain, x in _dense_graphs():
+        converted = kd.convert(plain, hidden_covariance=hidden_covariance, **TINY)
+        kinds = [type(layer).__name__ for layer in converted.layers if not isinstance(layer, keras.layers.InputLayer)]
+        if hidden_covariance == "full":
+            expected[name] = [k.replace("DenseDiagDVI", "DenseDVI") for k in expected[name]]
+        assert kinds == expected[name], (name, kinds)
+        mean = to_numpy(kd.unpack(converted(x))[0])
+        want = plain_outputs(plain, x)
+        if name in ("residual", "wide_deep"):
+            mean = to_numpy(keras.ops.softmax(mean))
+        np.testing.assert_allclose(mean, want, rtol=1e-4, atol=1e-5, err_msg=name)
+        if name == "residual":  # the ReLU after the second sum folds into it
+            assert [layer.activation for layer in converted.layers if isinstance(layer, kd.AddDVI)] == [
+                "linear", "relu", "linear"]
+
+
+def test_a_wide_and_deep_classifier_trains_predicts_and_samples_on_its_two_inputs(tmp_path):
+    _, plain, _ = _dense_graphs()[1]
+    rng = np.random.default_rng(4)
+    x = [rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 6)).astype("float32")]
+    y = (x[0][:, 0] + x[1][:, 0] > 0).astype("int32")
+    plain.compile("adam", "sparse_categorical_crossentropy")
+    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=64))
+    history = converted.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    out = kd.predict(converted, x)
+    assert out["probabilities"].shape == (64, 3)
+    samples = kd.predict_samples(converted, x, num_samples=5, seed=0)
+    assert samples.shape == (64, 5, 3)
+    converted.save(tmp_path / "wide_deep.keras")
+    loaded = keras.saving.load_model(tmp_path / "wide_deep.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6)
+
+
 def test_a_text_cnn_with_global_max_pooling_converts_whole():
     """Keras' text classifier (embedding, `Conv1D` with a ReLU, `GlobalMaxPooling1D`, dense
     layers) converts whole: the ReLU moves onto the global max (the same function), the
@@ -624,8 +697,9 @@ def test_what_cannot_be_converted_is_refused_by_name():
             kd.convert(model)
 
     refused([keras.layers.Dense(4, activation="softplus"), keras.layers.Dense(2)], "'dense.*' has activation 'softplus'")
-    refused([keras.layers.Dense(4, activation="relu"), keras.layers.BatchNormalization(name="norm"),
-             keras.layers.Dense(2)], "BatchNormalization 'norm' can be folded only into a linear")
+    refused([keras.layers.Dense(4, activation="relu"), keras.layers.Reshape((2, 2)),
+             keras.layers.BatchNormalization(axis=1, name="norm"), keras.layers.Flatten(), keras.layers.Dense(2)],
+            "BatchNormalization 'norm' can be folded only into a linear")  # (not on a vector's units)
     refused([keras.layers.Dense(4), keras.layers.Activation("elu", name="act"), keras.layers.Dense(2)],
             "activation layer 'act' \\(Activation 'elu'\\).*convert only the layers after it \\(`last_layers=k`\\)")
     # on a feature map that another layer also reads: an ActivationDVI, if keras-dvi has the function's rule
@@ -672,6 +746,14 @@ def test_what_cannot_be_converted_is_refused_by_name():
         with pytest.raises(ValueError, match=f"'no_rule' \\({type(layer).__name__}\\) has no accurate Gaussian "
                                              f"moment rule \\(it {reason}.*last_layers=k"):
             kd.convert(keras.Model(inputs, keras.layers.Dense(2)(layer(first(inputs)))))
+    inputs = keras.Input((4,))
+    branches = [keras.layers.Dense(3)(inputs) for _ in range(3)]
+    with pytest.raises(ValueError, match="Add 'three' must add two feature maps or vectors.*it adds 3"):
+        kd.convert(keras.Model(inputs, keras.layers.Add(name="three")(branches)))
+    inputs = keras.Input((2, 6, 6))
+    h = keras.layers.Conv2D(3, 3, data_format="channels_first")(inputs)
+    with pytest.raises(ValueError, match="Dense 'spatial' acts on the last axis of a channels-first feature map"):
+        kd.convert(keras.Model(inputs, keras.layers.Dense(2, name="spatial")(h)))
     with pytest.raises(ValueError, match="hidden_covariance"):
         kd.convert(keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]), hidden_covariance="block")
 

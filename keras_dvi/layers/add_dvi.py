@@ -1,8 +1,9 @@
-"""`AddDVI`: the residual addition of two keras-dvi feature maps."""
+"""`AddDVI`: the addition of two keras-dvi feature maps (a residual block) or vectors."""
 
 import keras
 
 from keras_dvi import packing, sampling
+from keras_dvi.layers import vectors
 from keras_dvi.layers.base import apply_activation
 from keras_dvi.layers.feature_map import MapLayer, to_channels_last
 from keras_dvi.maths import conv_moments, moments
@@ -11,35 +12,43 @@ from keras_dvi.maths import conv_moments, moments
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class AddDVI(MapLayer):
     """Adds two keras-dvi feature maps of the same shape, for residual blocks
-    (`keras.layers.Add` for moments), then applies an optional activation.
+    (`keras.layers.Add` for moments), or two vectors (dense keras-dvi outputs, or one of them
+    data), then applies an optional activation.
 
-    **Assumption: the two branches are independent.** Means and variances add; each channel's
-    two shared factors become one (the projection of every unit on its channel's sum). In a
-    residual block `x + F(x)` the branches are correlated, since `F(x)` is computed from `x`:
-    with mostly positive correlation the sum's variance is under-stated. For dense residual
-    blocks, `SkipDVI` accounts for that correlation exactly (Stein's lemma); a conv residual
-    block has no such closed form here.
+    **Assumption: the two branches are independent.** Means and (co)variances add
+    (`keras_dvi.conv_moments.add_moments`: each channel's two shared factors become one, the
+    projection of every unit on its channel's sum; `keras_dvi.moments.add_moments` for
+    vectors). In a residual block `x + F(x)` the branches are correlated, since `F(x)` is
+    computed from `x`: with mostly positive correlation the sum's variance is under-stated. For
+    dense residual blocks, `SkipDVI` accounts for that correlation exactly (Stein's lemma); a
+    conv residual block has no such closed form here.
 
     Args:
         activation: `None` (default), `"relu"`, `"heaviside"`, `"leaky_relu"`, `"relu6"`,
             `"hard_silu"`, `"hard_sigmoid"`, `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`, applied to
-            the sum (as in `relu(x + F(x))`).
+            the sum (as in `relu(x + F(x))`); on full-covariance vectors one of `"relu"`,
+            `"heaviside"`, `"leaky_relu"` (the activations with a pairwise covariance).
         data_format: `"channels_last"` or `"channels_first"` (where the channel axis is: the
             shared components are per channel); `None` (default) is
             `keras.config.image_data_format()`.
 
     Input shape:
         A list of two packed feature maps `(batch, 3, *spatial, channels)` of the same shape
-        (channels first: `(batch, 3, channels, *spatial)`).
+        (channels first: `(batch, 3, channels, *spatial)`); or two vectors of `K` features:
+        dense keras-dvi outputs `(batch, 2, K)` or `(batch, K + 1, K)`, or one of them data
+        `(batch, K)` (a network input: variance zero).
 
     Output shape:
-        Packed, as the inputs.
+        Packed, as the inputs: a feature map, or `(batch, 2, K)` (`(batch, K + 1, K)` if either
+        input has a full covariance).
 
     Examples:
         >>> x = keras_dvi.Conv2DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(inputs)
         >>> branch = keras_dvi.Conv2DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(x)
         >>> branch = keras_dvi.Conv2DDVI(16, 3, padding="same", regularizer=prior)(branch)
         >>> x = keras_dvi.AddDVI(activation="relu")([x, branch])
+        >>> h = keras_dvi.DenseDiagDVI(32, activation="relu", regularizer=prior)(features)
+        >>> h = keras_dvi.AddDVI()([h, keras_dvi.DenseDiagDVI(32, activation="relu", regularizer=prior)(h)])
     """
 
     def __init__(self, activation=None, data_format=None, **kwargs):
@@ -47,31 +56,46 @@ class AddDVI(MapLayer):
         self.activation = moments.canonical_activation(activation)
 
     def takes_packed(self, shape):
-        return len(shape) >= 4
+        return len(shape) >= 3
 
     def _shapes(self, input_shape):
+        """The output shape, the inputs' checked."""
         if not isinstance(input_shape, (list, tuple)) or len(input_shape) != 2 or not all(
                 isinstance(s, (list, tuple)) for s in input_shape):
-            raise ValueError(f"{type(self).__name__} takes a list of two packed feature maps; received {input_shape}.")
+            raise ValueError(f"{type(self).__name__} takes a list of two packed feature maps or vectors; received "
+                             f"{input_shape}.")
         first, second = (tuple(s) for s in input_shape)
+        if vectors.on_vectors(self, (first, second)):
+            return self._vector_shapes(first, second)
         if len(first) != len(second) or any(a is not None and b is not None and a != b
                                             for a, b in zip(first[1:], second[1:])):
             raise ValueError(f"{type(self).__name__} adds feature maps of the same shape; received {first} and {second}.")
         for shape in (first, second):
             self._structure(self._last(shape))
-        return first, second
+        return first
+
+    def _vector_shapes(self, first, second):
+        """The output shape of the sum of two vectors, checked."""
+        (kind_1, features_1), (kind_2, features_2) = vectors.structures(self, (first, second))
+        if features_1 is not None and features_2 is not None and features_1 != features_2:
+            raise ValueError(f"{type(self).__name__} {self.name!r} adds vectors of the same width; received "
+                             f"{features_1} and {features_2} features ({first} and {second}).")
+        full = packing.FULL in (kind_1, kind_2)
+        vectors.check_activation(self, self.activation, full)
+        return packing.packed_shape(first, features_1 or features_2, full=full)
 
     def build(self, input_shape):
         self._shapes(input_shape)
 
     def compute_output_shape(self, input_shape):
-        first, _ = self._shapes(input_shape)
-        return first
+        return self._shapes(input_shape)
 
     def call(self, inputs):
-        if sampling.current_context(self) is not None:  # (samples, batch, *spatial, channels) each
+        if sampling.current_context(self) is not None:  # (samples, batch, ...) each; data (batch, K) broadcasts
             return apply_activation(inputs[0] + inputs[1], self.activation)
         self._shapes([tuple(t.shape) for t in inputs])
+        if vectors.on_vectors(self, [t.shape for t in inputs]):
+            return vectors.activated(*moments.add_moments(*vectors.split(self, inputs)), self.activation)
         rank = len(inputs[0].shape) - 3
         first, second = (self._split(to_channels_last(t, rank, self.data_format)) for t in inputs)
         summed = conv_moments.add_moments(first, second)

@@ -1,9 +1,10 @@
-"""`BatchNormalizationDVI`: batch normalisation of keras-dvi feature maps with fixed statistics."""
+"""`BatchNormalizationDVI`: batch normalisation of keras-dvi feature maps and vectors with fixed statistics."""
 
 import keras
 from keras import ops
 
 from keras_dvi import packing
+from keras_dvi.layers import vectors
 from keras_dvi.layers.base import apply_activation
 from keras_dvi.layers.feature_map import MapLayer
 from keras_dvi.maths import conv_moments, moments
@@ -21,9 +22,10 @@ class BatchNormalizationDVI(MapLayer):
     it was converted from): the moments of a batch of Gaussian feature maps define no batch
     statistics a plain network would see, so `moving_mean` and `moving_variance` are not
     trainable and not updated; `gamma` and `beta` train as point estimates (no prior, no KL).
-    Where a linear convolution feeds the normalisation alone, `keras_dvi.convert` folds it into
-    the convolution's weights instead; this layer serves the others (pre-activation ResNets,
-    DenseNets).
+    Where a linear convolution or `Dense` feeds the normalisation alone, `keras_dvi.convert`
+    folds it into that layer's weights instead; this layer serves the others (pre-activation
+    ResNets, DenseNets, the residual MLPs of tabular data). On a dense keras-dvi output (a
+    vector) it normalises each unit: covariances through the scales of both units.
 
     Args:
         epsilon: added to the variance (default 1e-3, Keras' default).
@@ -37,7 +39,9 @@ class BatchNormalizationDVI(MapLayer):
 
     Input shape:
         A packed feature map `(batch, 3, *spatial, channels)` (channels first:
-        `(batch, 3, channels, *spatial)`).
+        `(batch, 3, channels, *spatial)`), or a dense keras-dvi output `(batch, 2, K)` /
+        `(batch, K + 1, K)` (with a full covariance, an activation with a pairwise covariance:
+        `"relu"`, `"heaviside"`, `"leaky_relu"` or `None`).
 
     Output shape:
         Packed, as the input.
@@ -54,8 +58,11 @@ class BatchNormalizationDVI(MapLayer):
         self.epsilon, self.center, self.scale = float(epsilon), bool(center), bool(scale)
         self.activation = moments.canonical_activation(activation)
 
+    reads_vectors = True
+
     def build(self, input_shape):
-        _, channels = self._structure(self._last(input_shape))
+        _, channels = (packing.structure_of_shape(input_shape) if self._on_vector(tuple(input_shape))
+                       else self._structure(self._last(input_shape)))
         if channels is None:
             raise ValueError(f"{type(self).__name__} {self.name!r} needs a known number of channels; "
                              f"received inputs of shape {tuple(input_shape)}.")
@@ -81,6 +88,10 @@ class BatchNormalizationDVI(MapLayer):
             shift = shift + get(self.beta)
         return scale, shift
 
+    def _propagate_vector(self, mean, second):
+        scale, shift = self.affine(mean.dtype)
+        return vectors.activated(mean * scale + shift, vectors.unit_affine(second, scale), self.activation)
+
     def _propagate(self, mean, variance, shared):
         normalised = conv_moments.channel_affine_moments(mean, variance, shared, *self.affine(mean.dtype))
         return packing.pack_map(*conv_moments.activation_moments(*normalised, self.activation))
@@ -95,8 +106,8 @@ class BatchNormalizationDVI(MapLayer):
         axis of a feature map, with its weights and statistics (what `keras_dvi.convert` uses)."""
         converted = cls(epsilon=layer.epsilon, center=layer.center, scale=layer.scale, activation=activation,
                         data_format=data_format, name=kwargs.pop("name", layer.name), **kwargs)
-        shape = tuple(layer.input.shape)  # data (batch, ...): the packed map has its rows after the batch
-        converted.build(shape[:1] + (packing.MAP_ROWS,) + shape[1:])
+        shape = tuple(layer.input.shape)  # data (batch, ...): the packed form has its rows after the batch
+        converted.build(shape[:1] + (2 if len(shape) == 2 else packing.MAP_ROWS,) + shape[1:])
         converted.set_weights(layer.get_weights())
         return converted
 

@@ -19,7 +19,8 @@ class DenseDiagDVI(DenseBase):
 
     Args:
         units: positive integer, output width.
-        activation: `None` (linear), `"relu"` or `"heaviside"`.
+        activation: `None` (linear) or one of the activations of `BayesianLayer` (`"relu"`,
+            `"silu"`, `"gelu"`, `"tanh"`, ...).
         use_bias: whether to use a Bayesian bias.
         kernel_mean_initializer: initializer of the kernel posterior means.
         bias_mean_initializer: initializer of the bias posterior means.

@@ -20,7 +20,8 @@ class DenseDVI(DenseBase):
 
     Args:
         units: positive integer, output width.
-        activation: `None` (linear), `"relu"` or `"heaviside"`.
+        activation: `None` (linear), `"relu"`, `"heaviside"` or `"leaky_relu"` (the activations
+            with a pairwise covariance).
         covariance_approximation: `"paper"` (default, fast) or `"exact"` (bivariate normal
             closed form through Owen's T; no approximation beyond the Gaussian assumption,
             and the covariance stays positive semi-definite).

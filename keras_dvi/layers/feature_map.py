@@ -12,6 +12,7 @@ import keras
 from keras import ops
 
 from keras_dvi import packing, sampling, validation
+from keras_dvi.layers import vectors
 from keras_dvi.layers.boundary import KerasDVILayer
 
 PADDINGS = ("valid", "same")
@@ -137,6 +138,9 @@ class MapLayer(KerasDVILayer):
 
     rank = None
     maps_out = True
+    #: Whether the layer also reads vectors, the dense keras-dvi outputs `(batch, 2, K)` and
+    #: `(batch, K + 1, K)`, unit by unit (`_propagate_vector`): the per-unit layers.
+    reads_vectors = False
 
     def __init__(self, data_format=None, **kwargs):
         kwargs.setdefault("autocast", False)  # moments in float32 even under mixed precision
@@ -144,7 +148,21 @@ class MapLayer(KerasDVILayer):
         self.data_format = standardize_data_format(data_format)
 
     def takes_packed(self, shape):
+        if self.reads_vectors and len(shape) == 3:
+            return True
         return len(shape) >= 4 if self.rank is None else len(shape) == self.rank + 3
+
+    def _on_vector(self, shape):
+        """Whether an input of `shape` is a vector this layer reads (`reads_vectors`), checked:
+        moments, not data."""
+        if not self.reads_vectors or isinstance(shape[0], (list, tuple)) or len(shape) > 3:
+            return False
+        [(kind, _)] = vectors.structures(self, [shape])
+        vectors.check_activation(self, getattr(self, "activation", "linear"), kind == packing.FULL)
+        return True
+
+    def _propagate_vector(self, mean, second):
+        raise NotImplementedError
 
     def _map_rank(self, shape):
         if self.rank is not None:
@@ -169,6 +187,8 @@ class MapLayer(KerasDVILayer):
         return spatial, channels
 
     def compute_output_shape(self, input_shape):
+        if self._on_vector(input_shape):
+            return tuple(input_shape)
         rank = self._map_rank(input_shape)
         out = self._output_shape(self._last(input_shape))
         return shape_from_channels_last(out, rank, self.data_format) if self.maps_out else out
@@ -194,6 +214,10 @@ class MapLayer(KerasDVILayer):
         return from_channels_last(outputs, len(outputs.shape) - 3, self.data_format)
 
     def call(self, inputs):
+        if not isinstance(inputs, (list, tuple)) and self._on_vector(tuple(inputs.shape)):
+            if sampling.current_context(self) is not None:  # (samples, batch, K)
+                return self._sample(inputs)
+            return self._propagate_vector(*vectors.split(self, [inputs])[0])
         rank = self._map_rank(tuple(inputs[0].shape) if isinstance(inputs, (list, tuple)) else tuple(inputs.shape))
         inputs = to_channels_last(inputs, rank, self.data_format)
         if sampling.current_context(self) is not None:  # (samples, batch, *spatial, channels)

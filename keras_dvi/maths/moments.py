@@ -1036,6 +1036,66 @@ def linear_moments(
     return mean_a, cov_a, False
 
 
+
+# --------------------------------------------------------------------------------------------
+# Sums and concatenations of Gaussian vectors (`keras.layers.Add`, `Concatenate`)
+# --------------------------------------------------------------------------------------------
+
+
+def _as_covariance(mean, second):
+    """`second` (`None`: deterministic, `(..., K)` variances or `(..., K, K)` covariances) as a
+    covariance matrix."""
+    if second is None:
+        return diag_embed(ops.zeros_like(mean))
+    return second if len(second.shape) == len(mean.shape) + 1 else diag_embed(second)
+
+
+def _is_full(mean, second):
+    return second is not None and len(second.shape) == len(mean.shape) + 1
+
+
+def add_moments(first, second):
+    """Moments of the sum of two independent Gaussian vectors: means and (co)variances add,
+    exact for independent inputs (a residual sum `x + f(x)` is not: its branches correlate).
+
+    Args:
+        first, second: `(mean (..., K), second)` each, `second` `None` (deterministic),
+            `(..., K)` variances or `(..., K, K)` covariances.
+
+    Returns:
+        `(mean, second)`: covariances if either input has them, else variances (`None` if
+        both inputs are deterministic).
+    """
+    (mean_1, second_1), (mean_2, second_2) = first, second
+    if _is_full(mean_1, second_1) or _is_full(mean_2, second_2):
+        return mean_1 + mean_2, _as_covariance(mean_1, second_1) + _as_covariance(mean_2, second_2)
+    seconds = [s for s in (second_1, second_2) if s is not None]
+    return mean_1 + mean_2, (None if not seconds else seconds[0] if len(seconds) == 1 else seconds[0] + seconds[1])
+
+
+def concatenate_moments(parts):
+    """Moments of independent Gaussian vectors joined along their last axis: exact (the
+    covariance is block diagonal).
+
+    Args:
+        parts: a list of `(mean (..., K_i), second)`, `second` as in `add_moments`.
+
+    Returns:
+        `(mean (..., sum K_i), second)`: the block-diagonal covariances if any input has
+        covariances, else the variances (deterministic parts: zero; `None` if all are).
+    """
+    mean = ops.concatenate([m for m, _ in parts], axis=-1)
+    if all(s is None for _, s in parts):
+        return mean, None
+    if not any(_is_full(m, s) for m, s in parts):
+        return mean, ops.concatenate([ops.zeros_like(m) if s is None else s for m, s in parts], axis=-1)
+    sizes = [int(m.shape[-1]) for m, _ in parts]
+    leading = [[0, 0]] * (len(mean.shape) - 1)
+    rows = [ops.pad(_as_covariance(m, s), leading + [[0, 0], [sum(sizes[:i]), sum(sizes[i + 1:])]])
+            for i, (m, s) in enumerate(parts)]  # each part's rows, zero outside its block
+    return mean, ops.concatenate(rows, axis=-2)
+
+
 def diag_embed(variance):
     """`(..., K)` variances to `(..., K, K)` diagonal covariance matrices."""
     units = ops.shape(variance)[-1]
