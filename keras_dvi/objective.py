@@ -166,6 +166,7 @@ class StepRecord:
     def __init__(self, tracker, training, head, trace):
         self.tracker, self.training, self.head, self.trace = tracker, bool(training), head, trace
         self.kl, self.produced = [], []
+        self.losses = {}  # id(layer): the weighted KL the layer added to the losses in this step
         self.open, self.scored = True, False
 
     def score(self):
@@ -177,7 +178,7 @@ class StepRecord:
     def close(self):
         """Closes the record; it keeps no tensor or graph after."""
         self.open, self.trace = False, None
-        self.kl, self.produced = [], []
+        self.kl, self.produced, self.losses = [], [], {}
 
 
 def _open_record():
@@ -228,6 +229,9 @@ def start_step(tracker, training=False, head=None, inputs=None):
         return
     previous = getattr(model, RECORD, None)
     trace = None if inputs is None else trace_of(inputs)
+    if (previous is not None and previous.open and not previous.scored and previous.tracker is tracker
+            and previous.trace is trace and previous.training == training):
+        return  # the same first layer again in the same pass (a shared layer): one record
     if (training and previous is not None and previous.open and previous.tracker is not tracker
             and previous.training and not previous.scored and previous.trace is trace
             and not getattr(tracker, "warned_second_head", False)):
@@ -236,8 +240,9 @@ def start_step(tracker, training=False, head=None, inputs=None):
             f"keras-dvi layers {previous.head!r} and {head!r} both take data (2-D) inputs in one "
             "training pass. If a plain Keras layer such as Flatten or Dense turns the first "
             "one's packed moments into plain features for the second, remove it: keras-dvi "
-            "layers take each other's outputs directly. (A network with two keras-dvi branches "
-            f"on the data is legitimate, but its logged `kl` leaves out the branch of {previous.head!r}.)",
+            "layers take each other's outputs directly. (Two keras-dvi branches on the data are "
+            "legitimate: in a functional model they share one record; in a subclassed model, whose graph "
+            f"keras-dvi cannot read, the logged `kl` leaves out the branch of {previous.head!r}.)",
             UserWarning,
             stacklevel=2,
         )
@@ -285,11 +290,23 @@ def check_inputs(layer, inputs):
             return
 
 
-def add_kl(kl):
-    """Called by every keras-dvi layer with a prior: its `KL / N` for the current step."""
+def add_kl(kl, layer=None, loss=None):
+    """Called by every keras-dvi layer with a prior: its `KL / N` for the current step (and
+    the weighted term `loss` it added to the model's losses, `reported_loss`)."""
     record = _open_record()
     if record is not None:
         record.kl.append(ops.stop_gradient(kl))
+        if layer is not None:
+            record.losses[id(layer)] = loss
+
+
+def reported_loss(layer, kl):
+    """The weighted KL `layer` added to the losses earlier in the open step of `fit` /
+    `evaluate`, in the computation of its `kl` now (it is called again: a shared layer), else
+    `None`."""
+    record = _open_record()
+    earlier = None if record is None else record.losses.get(id(layer))
+    return earlier if earlier is not None and trace_of(earlier) is trace_of(kl) else None
 
 
 def trace_of(tensor):

@@ -684,6 +684,53 @@ def test_flatten_between_keras_dvi_layers_is_refused_or_warned():
     assert len(messages) == 1 and "Flatten" in messages[0]
 
 
+def _objective_parts(model, x, y, layers, num_train):
+    """`(logged loss, nll, kl)` of `evaluate` and the layers' KL / N, computed independently."""
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    kl = sum(float(keras.ops.convert_to_numpy(layer.kl_divergence())) for layer in layers) / num_train
+    return logs["loss"], logs["nll"], logs["kl"], kl
+
+
+def test_a_shared_layer_counts_its_kl_once_and_steps_its_warm_up_once():
+    """A layer called on two inputs (a Siamese tower) draws its weights once per pass: its KL
+    entered the loss once per call (loss = nll + KL + the tower's KL again), and its warm-up
+    advanced twice per step."""
+    rng = np.random.default_rng(21)
+    x = [rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 4)).astype("float32")]
+    y = rng.normal(size=(64,)).astype("float32")
+    prior = kd.EmpiricalBayesRegularizer(64, kl_weight=1.0, kl_warmup_steps=10)
+    first, second = keras.Input((4,)), keras.Input((4,))
+    tower, head = kd.DenseDiagDVI(6, "relu", regularizer=prior), kd.DenseDVI(2, regularizer=prior)
+    model = keras.Model([first, second], head(kd.ConcatenateDVI()([tower(first), tower(second)])))
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+    messages = _fit_messages(model, x, y, epochs=3, batch_size=16)
+    assert _misuse_free(messages), messages
+    assert float(keras.ops.convert_to_numpy(tower.kl_step)) == 12 == float(keras.ops.convert_to_numpy(head.kl_step))
+    loss, nll, logged_kl, kl = _objective_parts(model, x, y, [tower, head], 64)
+    np.testing.assert_allclose([loss, logged_kl], [nll + kl, kl], rtol=1e-5)
+
+
+def test_branches_on_several_inputs_log_one_nll_and_kl():
+    """Two keras-dvi layers on two inputs, joined: each was its network's first layer, with a
+    tracker of its own; the second one's record replaced the first's, whose KL the logged `kl`
+    left out, with warnings that two layers take data and that no loss scored a step."""
+    rng = np.random.default_rng(22)
+    x = [rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 3)).astype("float32")]
+    y = rng.normal(size=(64,)).astype("float32")
+    prior = kd.EmpiricalBayesRegularizer(64, kl_weight=1.0)
+    first, second = keras.Input((4,)), keras.Input((3,))
+    layers = [kd.DenseDiagDVI(6, "relu", regularizer=prior), kd.DenseDiagDVI(5, "relu", regularizer=prior),
+              kd.DenseDVI(2, regularizer=prior)]
+    model = keras.Model([first, second], layers[2](kd.ConcatenateDVI()([layers[0](first), layers[1](second)])))
+    model.compile(keras.optimizers.Adam(1e-3), loss=kd.HeteroscedasticELL())
+    assert [metric.name for metric in model.metrics].count("elbo") <= 1
+    messages = _fit_messages(model, x, y, epochs=2, batch_size=16)
+    assert _misuse_free(messages), messages
+    assert sum(layer.elbo_tracker is not None for layer in layers) == 1
+    loss, nll, logged_kl, kl = _objective_parts(model, x, y, layers, 64)
+    np.testing.assert_allclose([loss, logged_kl], [nll + kl, kl], rtol=1e-5)
+
+
 def test_num_train_is_checked_against_the_batch():
     """`num_train` set to the batch size went undetected (KL 14.4 instead of 2.1)."""
     x, y = _data(seed=13)

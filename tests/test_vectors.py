@@ -195,7 +195,14 @@ def test_misuse_is_refused_by_name():
     full = kd.DenseDVI(4, regularizer=prior)(inputs)
     with pytest.raises(ValueError, match="full covariance, and activation 'silu' has no pairwise covariance"):
         kd.AddDVI("silu")([full, h])
+    with pytest.raises(ValueError, match="'norm' received data only.*keras.layers.BatchNormalization"):
+        kd.BatchNormalizationDVI(name="norm")(inputs)
+    with pytest.raises(ValueError, match="'act' received data only.*keras.layers.Activation"):
+        kd.ActivationDVI("relu", name="act")(inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match="must be a deterministic tensor of shape \\(batch, features\\)"):
             kd.AddDVI()([keras.Input((7, 4)), h])  # a sequence of data is not a vector
+        with pytest.raises(ValueError, match="'norm' takes a packed keras-dvi feature map .* or a dense keras-dvi "
+                                             "output .*received shape \\(None, 7, 4\\).*keras.layers.BatchNorm"):
+            kd.BatchNormalizationDVI(name="norm")(keras.Input((7, 4)))

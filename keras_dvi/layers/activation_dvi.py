@@ -51,7 +51,7 @@ class ActivationDVI(MapLayer):
         self._structure(input_shape)
         return tuple(input_shape)
 
-    reads_vectors = True
+    _reads_vectors = True
 
     def _propagate_vector(self, mean, second):
         return vectors.activated(mean, second, self.activation)

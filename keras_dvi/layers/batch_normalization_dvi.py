@@ -58,7 +58,7 @@ class BatchNormalizationDVI(MapLayer):
         self.epsilon, self.center, self.scale = float(epsilon), bool(center), bool(scale)
         self.activation = moments.canonical_activation(activation)
 
-    reads_vectors = True
+    _reads_vectors = True
 
     def build(self, input_shape):
         _, channels = (packing.structure_of_shape(input_shape) if self._on_vector(tuple(input_shape))

@@ -25,7 +25,7 @@ import keras
 
 from keras_dvi import objective, validation
 from keras_dvi.packing import PRODUCER, inducing_rows_of, producer_of
-from keras_dvi.layers.kl_term import reads_data_changed
+from keras_dvi.layers.kl_term import elect_one_tracker, reads_data_changed
 
 class KerasDVILayer(keras.layers.Layer):
     """A Keras layer that reads and writes keras-dvi tensors (see the module docstring).
@@ -111,4 +111,6 @@ class KerasDVILayer(keras.layers.Layer):
         outputs = super().compute_output_spec(*args, **kwargs)
         for output in keras.tree.flatten(outputs):
             setattr(output, PRODUCER, self)
+        if len(tensors) > 1:  # branches meet: one tracker for the network
+            elect_one_tracker(tensors)
         return outputs

@@ -118,6 +118,14 @@ def per_sample(function, samples):
     return ops.reshape(out, (shape[0], shape[1]) + tuple(ops.shape(out)[1:]))
 
 
+def _packed_vector(shape):
+    """Whether a 3-D shape is a packed dense keras-dvi output, `(batch, 2, K)` or `(batch, K + 1, K)`."""
+    try:
+        return packing.structure_of_shape(shape)[0] != packing.DETERMINISTIC
+    except ValueError:
+        return False
+
+
 class MapLayer(KerasDVILayer):
     """Base class: a layer without weights that reads packed keras-dvi feature maps
     `(batch, 3, *spatial, channels)` (channels first: `(batch, 3, channels, *spatial)`) with
@@ -138,9 +146,9 @@ class MapLayer(KerasDVILayer):
 
     rank = None
     maps_out = True
-    #: Whether the layer also reads vectors, the dense keras-dvi outputs `(batch, 2, K)` and
-    #: `(batch, K + 1, K)`, unit by unit (`_propagate_vector`): the per-unit layers.
-    reads_vectors = False
+    # Whether the layer also reads vectors, the dense keras-dvi outputs `(batch, 2, K)` and
+    # `(batch, K + 1, K)`, unit by unit (`_propagate_vector`): the per-unit layers.
+    _reads_vectors = False
 
     def __init__(self, data_format=None, **kwargs):
         kwargs.setdefault("autocast", False)  # moments in float32 even under mixed precision
@@ -148,15 +156,21 @@ class MapLayer(KerasDVILayer):
         self.data_format = standardize_data_format(data_format)
 
     def takes_packed(self, shape):
-        if self.reads_vectors and len(shape) == 3:
+        if self._reads_vectors and len(shape) == 3:
             return True
         return len(shape) >= 4 if self.rank is None else len(shape) == self.rank + 3
 
     def _on_vector(self, shape):
-        """Whether an input of `shape` is a vector this layer reads (`reads_vectors`), checked:
+        """Whether an input of `shape` is a vector this layer reads (`_reads_vectors`), checked:
         moments, not data."""
-        if not self.reads_vectors or isinstance(shape[0], (list, tuple)) or len(shape) > 3:
+        if not self._reads_vectors or isinstance(shape[0], (list, tuple)) or len(shape) > 3:
             return False
+        if len(shape) == 3 and not _packed_vector(shape):
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} takes a packed keras-dvi feature map (batch, 3, *spatial, "
+                "channels) or a dense keras-dvi output (batch, 2 or K + 1, K); received shape "
+                f"{tuple(shape)}, which is neither (data? On data, use the plain Keras layer, "
+                f"keras.layers.{type(self).__name__[:-3]}).")
         [(kind, _)] = vectors.structures(self, [shape])
         vectors.check_activation(self, getattr(self, "activation", "linear"), kind == packing.FULL)
         return True

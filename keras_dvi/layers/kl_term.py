@@ -9,12 +9,18 @@ metric. A layer's `call` uses it in two lines:
 
     layer.kl_term.start(training, data)   # first layer: opens the step's nll / kl record
     layer.kl_term.add(kl, training)        # adds w_t * KL / N to the model's losses
+
+A layer called more than once in a forward pass (a shared layer: a Siamese network's tower)
+counts its KL once, and takes one step of its warm-up: its weights are drawn once. A network
+with several first layers (a model with several inputs, each read by a keras-dvi layer) keeps
+one tracker, elected where their branches meet (`elect_one_tracker`).
 """
 
 import keras
 from keras import ops
 
 from keras_dvi import elbo_tracker, objective, priors, validation
+from keras_dvi.packing import producer_of
 
 #: Names of the schedule's variables (saved with the model, in this order after the layer's
 #: own): the training steps taken, and the length of an `"auto"` warm-up (0: not planned yet).
@@ -137,11 +143,19 @@ class KLTerm:
         """Adds `w_t * kl` to the model's losses and hands `kl` (the layer's unweighted `KL / N`,
         or `None` without a prior) to the step's loss; advances `kl_step` while training."""
         layer = self.layer
+        earlier = None if kl is None else objective.reported_loss(layer, kl)
+        if earlier is not None or (kl is not None and layer.losses):  # called again in the pass: counted
+            if earlier is not None and not layer.losses:
+                # Keras' JAX trainer runs the model's `call` (`stateless_call`), not the model: each
+                # layer call then enters on its own and clears the layer's losses, the first call's too
+                layer.add_loss(earlier)
+            return
         if training:
             self.plan_warmup()
         if kl is not None:
-            layer.add_loss(ops.cast(self.weight(training), kl.dtype) * kl)
-            objective.add_kl(kl)
+            weighted = ops.cast(self.weight(training), kl.dtype) * kl
+            layer.add_loss(weighted)
+            objective.add_kl(kl, layer, weighted)
         if training:
             layer.kl_step.assign_add(ops.cast(1.0, layer.kl_step.dtype))
 
@@ -165,3 +179,31 @@ def reads_data_changed(layer, inputs):
     if reads is not None:
         layer.kl_term.unplaced = False
         layer.kl_term.set_head(reads)
+
+
+def elect_one_tracker(tensors):
+    """Called where keras-dvi branches meet (a layer reading several keras-dvi `tensors`, in a
+    symbolic build): the first keras-dvi layers of the branches (those holding a tracker,
+    found through the producers of the tensors) keep one tracker between them, the first
+    branch's, so the network logs one `nll` and `kl` and opens one record per step."""
+    heads, seen = [], set()
+
+    def walk(tensor):
+        layer = producer_of(tensor)
+        if layer is None or id(layer) in seen:
+            return
+        seen.add(id(layer))
+        if getattr(layer, "elbo_tracker", None) is not None:
+            heads.append(layer)
+            return
+        try:
+            inputs = keras.tree.flatten(layer.input)
+        except (AttributeError, ValueError):  # (a layer called more than once: several inputs)
+            return
+        for t in inputs:
+            walk(t)
+
+    for tensor in tensors:
+        walk(tensor)
+    for head in heads[1:]:
+        head.kl_term.set_head(False)

@@ -30,8 +30,8 @@ def structures(layer, shapes):
     if all(kind == packing.DETERMINISTIC for kind, _ in kinds):
         raise ValueError(
             f"{type(layer).__name__} {layer.name!r} received data only (shapes {[tuple(s) for s in shapes]}): it "
-            "joins keras-dvi outputs (with data, if any). On data, use the plain Keras layer "
-            f"(keras.layers.{type(layer).__name__[:-3]}).")
+            "reads keras-dvi outputs (and data beside them, if it joins several inputs). On data, use the plain "
+            f"Keras layer (keras.layers.{type(layer).__name__[:-3]}).")
     return kinds
 
 
