@@ -110,7 +110,8 @@ class _Graph:
             for producer in self.producers[id(layer)]:
                 self.readers[id(producer)].append(layer)
         outputs = keras.tree.flatten(model.outputs if outputs is None else outputs)
-        self.outputs = {id(producer_of[id(t)]) for t in outputs if id(t) in producer_of}
+        self.output_layers = [producer_of[id(t)] for t in outputs if id(t) in producer_of]  # in the outputs' order
+        self.outputs = {id(layer) for layer in self.output_layers}
 
     def only_reader(self, layer):
         readers = self.readers[id(layer)]
@@ -541,36 +542,48 @@ _BINARY_LOSS_NAMES = ("binary_crossentropy",)
 _MEAN_SQUARED_LOSS_NAMES = ("mse", "mean_squared_error", "MeanSquaredError")
 
 
-def _compiled_with(model, kinds, names):
-    """Whether the plain model is compiled with one of the Keras losses `kinds` (instances) or
+def _is_loss(loss, kinds, names):
+    """Whether a plain model's compiled `loss` is one of the Keras losses `kinds` (instances) or
     `names` (a string, or a loss function of that name)."""
-    loss = getattr(model, "loss", None)
     return isinstance(loss, kinds) or (loss if isinstance(loss, str) else getattr(loss, "__name__", None)) in names
 
 
-def _is_mean_regression(model, graph):
-    """Whether the plain model has one output and is compiled with the mean squared error (a
-    Gaussian likelihood of fixed variance, whose keras-dvi counterpart learns the variance)."""
-    return len(graph.outputs) == 1 and _compiled_with(model, keras.losses.MeanSquaredError, _MEAN_SQUARED_LOSS_NAMES)
+def _output_losses(model, count):
+    """The plain model's compiled loss of each of its `count` outputs (in `model.outputs`'
+    order; `None` where it has none): one loss for every output, or a list or dict of them."""
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, dict):
+        structure = model.output
+        keys = sorted(structure) if isinstance(structure, dict) else list(getattr(model, "output_names", []))
+        return [loss.get(key) for key in keys] + [None] * (count - len(keys))
+    if isinstance(loss, (list, tuple)):
+        return list(loss)[:count] + [None] * (count - len(loss))
+    return [loss] * count
 
 
-def _is_classifier(model, graph):
-    """Whether the plain model is a classifier: its output applies a softmax, or it is compiled
-    with a categorical cross-entropy (binary classifiers: `_is_binary`)."""
-    if any(_activation_of(layer) == "softmax" for layer in graph.layers if id(layer) in graph.outputs):
-        return True
-    return _compiled_with(model, _CLASSIFICATION_LOSSES, _CLASSIFICATION_LOSS_NAMES)
+#: What each output of a plain model is to `convert`: `_output_tasks`.
+BINARY, CLASSIFIER, REGRESSION = "binary", "classifier", "regression"
 
 
-def _is_binary(model, graph):
-    """Whether the plain model is a binary classifier with one output unit: a `Dense(1)` output
-    with a sigmoid (in the layer or a layer after it), or compiled with a binary cross-entropy."""
-    outputs = [layer for layer in graph.layers if id(layer) in graph.outputs]
-    if len(outputs) != 1 or keras.tree.flatten(outputs[0].output)[0].shape[-1] != 1:
-        return False
-    if _activation_of(outputs[0]) == "sigmoid":
-        return True
-    return _compiled_with(model, _BINARY_LOSSES, _BINARY_LOSS_NAMES)
+def _output_tasks(model, graph, heads):
+    """Per output of the plain model (`graph.output_layers`, computed by `heads`): `BINARY` (one
+    unit under a sigmoid or a binary cross-entropy), `CLASSIFIER` (a softmax, or a categorical
+    cross-entropy), `REGRESSION` (the mean squared error: a Gaussian likelihood of fixed
+    variance, whose keras-dvi counterpart learns the variance) or `None`; and the plain losses."""
+    plain_losses = _output_losses(model, len(graph.output_layers))
+    tasks = []
+    for layer, head, loss in zip(graph.output_layers, heads, plain_losses):
+        units = keras.tree.flatten(layer.output)[0].shape[-1]
+        activations = {_activation_of(layer), _activation_of(head) if _is_weight_layer(head) else None}
+        if units == 1 and ("sigmoid" in activations or _is_loss(loss, _BINARY_LOSSES, _BINARY_LOSS_NAMES)):
+            tasks.append(BINARY)
+        elif "softmax" in activations or _is_loss(loss, _CLASSIFICATION_LOSSES, _CLASSIFICATION_LOSS_NAMES):
+            tasks.append(CLASSIFIER)
+        elif _is_loss(loss, keras.losses.MeanSquaredError, _MEAN_SQUARED_LOSS_NAMES):
+            tasks.append(REGRESSION)
+        else:
+            tasks.append(None)
+    return tasks, plain_losses
 
 
 def _output_layers(graph, identity):
@@ -578,11 +591,10 @@ def _output_layers(graph, identity):
     through folded ones and inference-time no-ops (a `Dense` under a `Softmax` layer or an
     `Activation("sigmoid")`), so that a head written either way converts alike."""
     found = []
-    for layer in graph.layers:
-        if id(layer) in graph.outputs:
-            if id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
-                layer = _through_identities(graph, layer, identity)[0] or layer
-            found.append(layer)
+    for layer in graph.output_layers:
+        if id(layer) in identity or isinstance(layer, _INFERENCE_IDENTITY):
+            layer = _through_identities(graph, layer, identity)[0] or layer
+        found.append(layer)
     return found
 
 
@@ -682,7 +694,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     model compiled with the mean squared error** comes back with a learned noise variance,
     `keras_dvi.HomoscedasticNoise(log_variance_scale=10.0)` after its output (the paper's
     homoscedastic DVI; the scale lets the variance, which starts at 1, move ten times faster),
-    compiled with `HeteroscedasticELL` and the optimizer's copy. Any other regression model comes back
+    compiled with `HeteroscedasticELL` and the optimizer's copy. **A model with several
+    outputs** is compiled output by output, each as above (its losses a dict or list as the
+    outputs are), if convert can tell what each output predicts; otherwise it comes back
+    uncompiled with a warning naming the outputs. Any other regression model comes back
     uncompiled: append a noise model (`HomoscedasticNoise`, or give the output a second unit of
     log noise variances per target) and compile with `HeteroscedasticELL`.
 
@@ -726,11 +741,11 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                          "(a subclassed model has no graph to convert).") from error
     if any(isinstance(layer, dvi.boundary.KerasDVILayer) for layer in graph.layers):
         raise ValueError("Argument `model` of keras_dvi.convert already has keras-dvi layers.")
-    binary = _is_binary(model, graph)
-    classifier = binary or _is_classifier(model, graph)
     activation, identity, folded, plain, vectors = _plan(graph)
     heads = _output_layers(graph, identity)
-    binary_head = heads[0] if binary and isinstance(heads[0], keras.layers.Dense) else None
+    tasks, plain_losses = _output_tasks(model, graph, heads)
+    binary_heads = {id(head) for head, task in zip(heads, tasks) if task == BINARY
+                    and isinstance(head, keras.layers.Dense)}
     if last_layers is not None:  # every layer outside the head stays plain
         head = {id(layer) for layer in graph.layers}
         plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
@@ -829,7 +844,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     def convert_weights(layer, act, common, output, batch_norm):
         """The keras-dvi layer of a plain `Dense`, convolution or depthwise convolution."""
         trainable = layer.trainable  # (a frozen layer stays frozen, as in the plain part)
-        if layer is binary_head:  # the logits (0, z), whose softmax SoftmaxDeltaELL takes
+        if id(layer) in binary_heads:  # the logits (0, z), whose softmax SoftmaxDeltaELL takes
             layer, act, batch_norm = _binary_logits(layer, *_folded_weights(layer, batch_norm)), "linear", None
         if isinstance(layer, keras.layers.Dense):
             full = output or hidden_covariance == "full"
@@ -907,28 +922,72 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             "`trainable = True` on the converted model.",
             stacklevel=2)
     _copy_weights(kept)
-    loss = None
-    if classifier:
-        loss = losses.SoftmaxDeltaELL(label_smoothing=float(getattr(model.loss, "label_smoothing", 0.0) or 0.0))
-        if isinstance(model.loss, (keras.losses.BinaryFocalCrossentropy, keras.losses.CategoricalFocalCrossentropy)):
+    return _compiled(converted, model, tasks, plain_losses)
+
+
+def _keras_dvi_loss(task, plain_loss):
+    """The keras-dvi loss of an output of `task` (`_output_tasks`) whose plain loss was
+    `plain_loss`: `SoftmaxDeltaELL` with its label smoothing for a classifier, `HeteroscedasticELL`
+    for a regression, `None` otherwise."""
+    if task == REGRESSION:
+        return losses.HeteroscedasticELL()
+    if task is None:
+        return None
+    if isinstance(plain_loss, (keras.losses.BinaryFocalCrossentropy, keras.losses.CategoricalFocalCrossentropy)):
+        warnings.warn(
+            f"keras_dvi.convert: the plain model's {type(plain_loss).__name__} is not carried over: the "
+            "converted model is compiled with SoftmaxDeltaELL, the expected log-likelihood, which the focal "
+            "loss's down-weighting of easy examples is not. To balance classes, pass `class_weight` to fit.",
+            stacklevel=3)
+    return losses.SoftmaxDeltaELL(label_smoothing=float(getattr(plain_loss, "label_smoothing", 0.0) or 0.0))
+
+
+def _compiled(converted, model, tasks, plain_losses):
+    """`converted`, compiled with the keras-dvi loss of every output (`_keras_dvi_loss`), a
+    learned noise variance after each regression output (as hoDVI: `HomoscedasticNoise`, its
+    scale measured in BENCHMARKS.md), and a copy of the plain optimizer; uncompiled if an
+    output's task is unknown (a warning names it if others are known)."""
+    if any(task is None for task in tasks):
+        known = [task for task in tasks if task is not None]
+        if known:
+            names = [name for name, task in zip(_output_names(converted, len(tasks)), tasks) if task is None]
             warnings.warn(
-                f"keras_dvi.convert: the plain model's {type(model.loss).__name__} is not carried over: the "
-                "converted model is compiled with SoftmaxDeltaELL, the expected log-likelihood, which the focal "
-                "loss's down-weighting of easy examples is not. To balance classes, pass `class_weight` to fit.",
-                stacklevel=2)
-    elif _is_mean_regression(model, graph):  # a learned noise variance, as hoDVI
-        noise = dvi.HomoscedasticNoise(log_variance_scale=10.0, name=f"{converted.name}_noise")  # (measured: BENCHMARKS.md)
-        if isinstance(converted, keras.Sequential):
-            converted.add(noise)
-        else:
-            converted = keras.Model(converted.inputs, noise(converted.outputs[0]), name=converted.name)
-        loss = losses.HeteroscedasticELL()
-    if loss is not None:
-        optimizer = getattr(model, "optimizer", None)
-        optimizer = (keras.optimizers.Adam(1e-3) if optimizer is None
-                     else type(optimizer).from_config(optimizer.get_config()))
-        converted.compile(optimizer=optimizer, loss=loss, metrics=_carried_metrics(model, classifier))
+                f"keras_dvi.convert: the model comes back uncompiled: convert cannot tell what output"
+                f"{'s' * (len(names) > 1)} {', '.join(map(repr, names))} predict{'s' * (len(names) == 1)} (no softmax or "
+                "sigmoid, no cross-entropy or mean squared error compiled for it). Compile it with a keras-dvi loss "
+                "per output: SoftmaxDeltaELL for a classifier, HeteroscedasticELL after a noise model "
+                "(keras_dvi.HomoscedasticNoise) for a regression.",
+                stacklevel=3)
+        return converted
+    several = len(tasks) > 1
+    noisy = [dvi.HomoscedasticNoise(log_variance_scale=10.0, name=f"{name}_noise") if task == REGRESSION else None
+             for name, task in zip(_output_names(converted, len(tasks)), tasks)]
+    if isinstance(converted, keras.Sequential):  # (one output)
+        if noisy[0] is not None:
+            converted.add(noisy[0])
+    elif any(noise is not None for noise in noisy):
+        outputs = converted.output
+        flat = [t if noise is None else noise(t) for t, noise in zip(keras.tree.flatten(outputs), noisy)]
+        converted = keras.Model(converted.inputs, keras.tree.pack_sequence_as(outputs, flat) if several else flat[0],
+                                name=converted.name)
+    loss = [_keras_dvi_loss(task, plain) for task, plain in zip(tasks, plain_losses)]
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = (keras.optimizers.Adam(1e-3) if optimizer is None
+                 else type(optimizer).from_config(optimizer.get_config()))
+    converted.compile(optimizer=optimizer, loss=keras.tree.pack_sequence_as(converted.output, loss) if several else loss[0],
+                      metrics=_carried_metrics(model, None if several else tasks[0] != REGRESSION))
     return converted
+
+
+def _output_names(converted, count):
+    """A name for each of the `count` outputs of a converted model, in its outputs' order (a
+    regression's noise layer takes it)."""
+    if count == 1:
+        return [converted.name]
+    structure = converted.output
+    if isinstance(structure, dict):
+        return [str(key) for key in sorted(structure)]
+    return list(converted.output_names)
 
 
 #: The plain model's metrics that `convert` carries, by name (`compile(metrics=[...])`): their
@@ -942,15 +1001,15 @@ _CARRIED_METRICS = {
 
 def _carried_metrics(model, classifier):
     """The keras-dvi counterparts of the plain model's compiled metrics (`_CARRIED_METRICS`:
-    accuracy for a classifier, the squared error for a regression); a warning names those
-    without one."""
+    accuracy for a classifier, the squared error for a regression; for a model with several
+    outputs, `classifier=None`, none); a warning names those without one."""
     config = model.get_compile_config() if getattr(model, "compiled", False) else None
     names = []
     for entry in keras.tree.flatten((config or {}).get("metrics") or []):
         name = entry.get("class_name") if isinstance(entry, dict) else entry
         names.append(name if isinstance(name, str) else repr(entry))
-    wanted = metrics.MeanLogitAccuracy if classifier else metrics.PredictiveMSE
-    carried = [name for name in names if _CARRIED_METRICS.get(name) is wanted]
+    wanted = None if classifier is None else metrics.MeanLogitAccuracy if classifier else metrics.PredictiveMSE
+    carried = [name for name in names if wanted is not None and _CARRIED_METRICS.get(name) is wanted]
     dropped = [name for name in names if _CARRIED_METRICS.get(name) is not wanted]
     if dropped:
         warnings.warn(

@@ -268,6 +268,40 @@ def test_a_wide_and_deep_classifier_trains_predicts_and_samples_on_its_two_input
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6)
 
 
+def test_a_model_with_several_outputs_is_compiled_output_by_output(tmp_path):
+    """A classification, a regression and a binary head: each output gets its keras-dvi loss (a
+    regression its noise layer). All were compiled with one `SoftmaxDeltaELL` (a softmax on one
+    output made the model "a classifier"), which trained the regression head on a one-class
+    softmax: no signal, silently."""
+    rng = np.random.default_rng(6)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    plain = keras.Model(inputs, {"cls": keras.layers.Dense(3, activation="softmax")(h), "reg": keras.layers.Dense(1)(h),
+                                 "bin": keras.layers.Dense(1, activation="sigmoid")(h)})
+    plain.compile("adam", {"cls": keras.losses.SparseCategoricalCrossentropy(), "reg": "mse",
+                           "bin": keras.losses.BinaryCrossentropy(label_smoothing=0.1)})
+    converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=64), **TINY)
+    assert {key: type(loss).__name__ for key, loss in converted.loss.items()} == {
+        "cls": "SoftmaxDeltaELL", "reg": "HeteroscedasticELL", "bin": "SoftmaxDeltaELL"}
+    assert converted.loss["bin"].label_smoothing == 0.1 and converted.loss["cls"].label_smoothing == 0.0
+    x = rng.normal(size=(64, 8)).astype("float32")
+    want = {key: to_numpy(value) for key, value in plain(x, training=False).items()}
+    got = converted(x)
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(kd.unpack(got["cls"])[0])), want["cls"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(kd.unpack(got["bin"])[0]))[:, 1:], want["bin"], rtol=1e-4,
+                               atol=1e-6)
+    np.testing.assert_allclose(to_numpy(kd.unpack(got["reg"])[0])[:, :1], want["reg"], rtol=1e-4, atol=1e-5)
+    y = {"cls": rng.integers(0, 3, 64), "reg": rng.normal(size=64).astype("float32"), "bin": rng.integers(0, 2, 64)}
+    logs = converted.fit(x, y, epochs=1, batch_size=32, verbose=0).history
+    assert {"cls_loss", "reg_loss", "bin_loss", "nll", "kl"} <= set(logs) and np.isfinite(logs["loss"]).all()
+    summary = kd.predict(converted, x[:4])
+    assert summary["reg"]["std"].shape == (4, 1) and summary["bin"]["probabilities"].shape == (4, 2)
+    unknown = keras.Model(inputs, [plain.outputs[0], keras.layers.Dense(2, name="scores")(h)])
+    unknown.compile("adam", ["sparse_categorical_crossentropy", "mae"])
+    with pytest.warns(UserWarning, match="uncompiled: convert cannot tell what output 'scores' predicts"):
+        assert not kd.convert(unknown).compiled
+
+
 def test_a_text_cnn_with_global_max_pooling_converts_whole():
     """Keras' text classifier (embedding, `Conv1D` with a ReLU, `GlobalMaxPooling1D`, dense
     layers) converts whole: the ReLU moves onto the global max (the same function), the

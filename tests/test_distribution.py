@@ -128,10 +128,20 @@ def converted():
     model.compile(keras.optimizers.SGD(0.05), loss=kd.SoftmaxDeltaELL())
     return model
 
+def totals(model):
+    # The last epoch's means of the tracker's fields (its totals sum over the replicas): the
+    # unweighted nll of a classifier's collapse check among them. (Its information and spread
+    # are statistics of each replica's half batch, and differ a little.)
+    tracker = next(layer.elbo_tracker for layer in model.layers if getattr(layer, "elbo_tracker", None) is not None)
+    t = dict(zip(tracker.FIELDS, keras.ops.convert_to_numpy(tracker.totals)))
+    classified = [t[f] / max(t["classified_steps"], 1) for f in ("log_classes", "classified_nll")]
+    return np.array([t["nll"] / t["steps"], t["kl"] / t["steps"]] + classified)
+
 def compare(one, two):
-    (w1, h1, p1), (w2, h2, p2) = one, two
+    (w1, h1, p1, t1), (w2, h2, p2, t2) = one, two
     for key in ("loss", "nll", "kl"):
         np.testing.assert_allclose(h2[key], h1[key], rtol=1e-5)
+    np.testing.assert_allclose(t2, t1, rtol=1e-5, atol=1e-6)
     for a, b in zip(w1, w2):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(p2, p1, rtol=1e-5, atol=1e-6)
@@ -141,7 +151,7 @@ def compare(one, two):
 
 def test_mirrored_strategy_on_two_cpus_matches_single_device():
     """A dense network and a converted residual network train to the same losses, `nll` /
-    `kl` logs, weights and predictions on two logical CPUs under
+    `kl` logs, collapse-check totals, weights and predictions on two logical CPUs under
     `tf.distribute.MirroredStrategy` as on one device (each replica computes half of every
     batch; the gradients are summed)."""
     out = _run(CONVERTED + textwrap.dedent("""
@@ -153,7 +163,7 @@ def test_mirrored_strategy_on_two_cpus_matches_single_device():
             with strategy.scope():
                 model = make()
             history = model.fit(inputs, targets, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
-            return model.get_weights(), history, model.predict(inputs, verbose=0)
+            return model.get_weights(), history, model.predict(inputs, verbose=0), totals(model)
 
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         assert strategy.num_replicas_in_sync == 2
@@ -178,7 +188,7 @@ def test_converted_resnet_block_trains_the_same_under_jax_data_parallel():
             keras.utils.set_random_seed(0)
             model = converted()
             history = model.fit(images, labels, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-            return model.get_weights(), history, model.predict(images, verbose=0)
+            return model.get_weights(), history, model.predict(images, verbose=0), totals(model)
 
         one = train(None)
         compare(one, train(keras.distribution.DataParallel(devices=devices)))
