@@ -265,8 +265,8 @@ def _normalises_map_channels(batch_norm, graph):
 
 
 def _sums_of_twins(converted):
-    """The `AddDVI` layers of a converted model whose two inputs are computed without weights
-    from the same tensor: each input traced back through one-input layers without weights
+    """The `AddDVI` layers of a converted model two of whose inputs are computed without
+    weights from the same tensor: each input traced back through one-input layers without weights
     (pooling, padding, activations) reaches the same layer. `AddDVI` takes its inputs as
     independent; these are strongly correlated (a residual connection `x + f(x)` is not such
     a sum: `f` has weights)."""
@@ -279,8 +279,11 @@ def _sums_of_twins(converted):
             layer = graph.producers[id(layer)][0]
         return layer
 
-    return [layer for layer in graph.layers if isinstance(layer, dvi.AddDVI) and len(graph.producers[id(layer)]) == 2
-            and source(graph.producers[id(layer)][0]) is source(graph.producers[id(layer)][1])]
+    def twins(producers):
+        sources = [id(source(producer)) for producer in producers]
+        return len(set(sources)) < len(sources)
+
+    return [layer for layer in graph.layers if isinstance(layer, dvi.AddDVI) and twins(graph.producers[id(layer)])]
 
 
 def _is_weight_layer(layer):
@@ -816,9 +819,6 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                  "keras_dvi.MultiplyDVI).")
             converted = dvi.MultiplyDVI(data_format=first_format, name=layer.name)
         elif isinstance(layer, keras.layers.Add):
-            if len(layer.input) != 2:
-                raise ValueError(f"keras_dvi.convert: Add {layer.name!r} must add two feature maps or vectors "
-                                 f"(keras_dvi.AddDVI); it adds {len(layer.input)}. Add them two at a time.")
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
         elif _is_operation(layer):

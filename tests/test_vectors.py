@@ -122,6 +122,16 @@ def test_batch_normalisation_and_activations_of_vectors_match_monte_carlo_throug
         _assert_moments_match(_through(keras.layers.Activation("relu"), [samples]), kd.ActivationDVI("relu"), vector)
 
 
+def test_a_sum_of_three_vectors_matches_monte_carlo_through_keras_add():
+    """`AddDVI` on three inputs (variances, a full covariance, data): the three summed."""
+    parts = [_vector("diagonal", 4, 12), _vector("full", 4, 13), _vector("deterministic", 4, 14)]
+    samples = _through(keras.layers.Add(), [_draw(part, 15 + i) for i, part in enumerate(parts)])
+    packed = [keras.ops.convert_to_tensor(part[0].astype("float32")) if part[1] is None
+              else packing.pack(*(keras.ops.convert_to_tensor(t.astype("float32")) for t in part)) for part in parts]
+    mean, covariance = (to_numpy(t) for t in kd.unpack(kd.AddDVI()(packed)))
+    _assert_matches(samples, mean, covariance)
+
+
 def _independent_branches(full):
     """Two inputs, a Bayesian branch on each (linear), their sum, joined with the second input
     and a third branch, and a linear head: every moment exact within the representation (linear

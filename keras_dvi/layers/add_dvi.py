@@ -1,5 +1,8 @@
 """`AddDVI`: the addition of two keras-dvi feature maps (a residual block) or vectors."""
 
+import functools
+import operator
+
 import keras
 
 from keras_dvi import packing, sampling
@@ -11,11 +14,11 @@ from keras_dvi.maths import conv_moments, moments
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class AddDVI(MapLayer):
-    """Adds two keras-dvi feature maps of the same shape, for residual blocks
-    (`keras.layers.Add` for moments), or two vectors (dense keras-dvi outputs, or one of them
-    data), then applies an optional activation.
+    """Adds keras-dvi feature maps of the same shape, for residual blocks
+    (`keras.layers.Add` for moments), or vectors (dense keras-dvi outputs, and data beside
+    them), two or more, then applies an optional activation.
 
-    **Assumption: the two branches are independent.** Means and (co)variances add
+    **Assumption: the branches are independent.** Means and (co)variances add
     (`keras_dvi.conv_moments.add_moments`: each channel's two shared factors become one, the
     projection of every unit on its channel's sum; `keras_dvi.moments.add_moments` for
     vectors). In a residual block `x + F(x)` the branches are correlated, since `F(x)` is
@@ -33,13 +36,13 @@ class AddDVI(MapLayer):
             `keras.config.image_data_format()`.
 
     Input shape:
-        A list of two packed feature maps `(batch, 3, *spatial, channels)` of the same shape
-        (channels first: `(batch, 3, channels, *spatial)`); or two vectors of `K` features:
-        dense keras-dvi outputs `(batch, 2, K)` or `(batch, K + 1, K)`, or one of them data
-        `(batch, K)` (a network input: variance zero).
+        A list of two or more packed feature maps `(batch, 3, *spatial, channels)` of the same
+        shape (channels first: `(batch, 3, channels, *spatial)`); or of two or more vectors of
+        `K` features: dense keras-dvi outputs `(batch, 2, K)` or `(batch, K + 1, K)`, and data
+        `(batch, K)` (a network input: variance zero), one at least not data.
 
     Output shape:
-        Packed, as the inputs: a feature map, or `(batch, 2, K)` (`(batch, K + 1, K)` if either
+        Packed, as the inputs: a feature map, or `(batch, 2, K)` (`(batch, K + 1, K)` if an
         input has a full covariance).
 
     Examples:
@@ -60,29 +63,33 @@ class AddDVI(MapLayer):
 
     def _shapes(self, input_shape):
         """The output shape, the inputs' checked."""
-        if not isinstance(input_shape, (list, tuple)) or len(input_shape) != 2 or not all(
+        if not isinstance(input_shape, (list, tuple)) or len(input_shape) < 2 or not all(
                 isinstance(s, (list, tuple)) for s in input_shape):
-            raise ValueError(f"{type(self).__name__} takes a list of two packed feature maps or vectors; received "
-                             f"{input_shape}.")
-        first, second = (tuple(s) for s in input_shape)
-        if vectors.on_vectors(self, (first, second)):
-            return self._vector_shapes(first, second)
-        if len(first) != len(second) or any(a is not None and b is not None and a != b
-                                            for a, b in zip(first[1:], second[1:])):
-            raise ValueError(f"{type(self).__name__} adds feature maps of the same shape; received {first} and {second}.")
-        for shape in (first, second):
+            raise ValueError(f"{type(self).__name__} takes a list of two or more packed feature maps or vectors; "
+                             f"received {input_shape}.")
+        shapes = [tuple(s) for s in input_shape]
+        if vectors.on_vectors(self, shapes):
+            return self._vector_shapes(shapes)
+        first = shapes[0]
+        for other in shapes[1:]:
+            if len(first) != len(other) or any(a is not None and b is not None and a != b
+                                               for a, b in zip(first[1:], other[1:])):
+                raise ValueError(f"{type(self).__name__} adds feature maps of the same shape; received {first} and "
+                                 f"{other}.")
+        for shape in shapes:
             self._structure(self._last(shape))
         return first
 
-    def _vector_shapes(self, first, second):
-        """The output shape of the sum of two vectors, checked."""
-        (kind_1, features_1), (kind_2, features_2) = vectors.structures(self, (first, second))
-        if features_1 is not None and features_2 is not None and features_1 != features_2:
+    def _vector_shapes(self, shapes):
+        """The output shape of the sum of vectors, checked."""
+        kinds = vectors.structures(self, shapes)
+        widths = {features for _, features in kinds if features is not None}
+        if len(widths) > 1:
             raise ValueError(f"{type(self).__name__} {self.name!r} adds vectors of the same width; received "
-                             f"{features_1} and {features_2} features ({first} and {second}).")
-        full = packing.FULL in (kind_1, kind_2)
+                             f"{' and '.join(str(features) for _, features in kinds)} features ({shapes}).")
+        full = any(kind == packing.FULL for kind, _ in kinds)
         vectors.check_activation(self, self.activation, full)
-        return packing.packed_shape(first, features_1 or features_2, full=full)
+        return packing.packed_shape(shapes[0], next(iter(widths), None), full=full)
 
     def build(self, input_shape):
         self._shapes(input_shape)
@@ -92,13 +99,14 @@ class AddDVI(MapLayer):
 
     def call(self, inputs):
         if sampling.current_context(self) is not None:  # (samples, batch, ...) each; data (batch, K) broadcasts
-            return apply_activation(inputs[0] + inputs[1], self.activation)
+            return apply_activation(functools.reduce(operator.add, inputs), self.activation)
         self._shapes([tuple(t.shape) for t in inputs])
         if vectors.on_vectors(self, [t.shape for t in inputs]):
-            return vectors.activated(*moments.add_moments(*vectors.split(self, inputs)), self.activation)
+            summed = functools.reduce(moments.add_moments, vectors.split(self, inputs))
+            return vectors.activated(*summed, self.activation)
         rank = len(inputs[0].shape) - 3
-        first, second = (self._split(to_channels_last(t, rank, self.data_format)) for t in inputs)
-        summed = conv_moments.add_moments(first, second)
+        summed = functools.reduce(conv_moments.add_moments,
+                                  [self._split(to_channels_last(t, rank, self.data_format)) for t in inputs])
         return self._from_last(packing.pack_map(*conv_moments.activation_moments(*summed, self.activation)))
 
     def get_config(self):
