@@ -243,6 +243,8 @@ def test_dense_networks_with_sums_joins_and_dense_on_positions_convert_whole(hid
             expected[name] = [k.replace("DenseDiagDVI", "DenseDVI") for k in expected[name]]
         assert kinds == expected[name], (name, kinds)
         mean = to_numpy(kd.unpack(converted(x))[0])
+        samples = kd.predict_samples(converted, x, num_samples=2, seed=0)  # (every layer's Monte Carlo form)
+        np.testing.assert_allclose(samples[:, 1], mean, rtol=1e-4, atol=1e-5, err_msg=name)
         want = plain_outputs(plain, x)
         if name in ("residual", "wide_deep"):
             mean = to_numpy(keras.ops.softmax(mean))

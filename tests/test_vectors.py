@@ -133,18 +133,22 @@ def test_a_sum_of_three_vectors_matches_monte_carlo_through_keras_add():
 
 
 def _independent_branches(full):
-    """Two inputs, a Bayesian branch on each (linear), their sum, joined with the second input
-    and a third branch, and a linear head: every moment exact within the representation (linear
-    layers of independent inputs), so Monte Carlo over the weights must agree."""
+    """Two inputs, a Bayesian branch on each (linear), their sum normalised (fixed statistics),
+    joined with the second input and a third branch, and a linear head: every moment exact
+    within the representation (linear layers of independent inputs), so Monte Carlo over the
+    weights must agree."""
     prior = kd.EmpiricalBayesRegularizer(100)
     dense = kd.DenseDVI if full else kd.DenseDiagDVI
     first, second = keras.Input((5,)), keras.Input((3,))
     summed = kd.AddDVI()([dense(4, regularizer=prior)(first), dense(4, regularizer=prior)(second)])
-    joined = kd.ConcatenateDVI()([summed, second, kd.DenseDiagDVI(2, regularizer=prior)(first)])
+    norm = kd.BatchNormalizationDVI()
+    joined = kd.ConcatenateDVI()([norm(summed), second, kd.DenseDiagDVI(2, regularizer=prior)(first)])
     model = keras.Model([first, second], kd.DenseDVI(2, regularizer=prior)(joined))
     for layer in model.layers:
         if isinstance(layer, (kd.DenseDVI, kd.DenseDiagDVI)):
             layer.set_posterior(layer.kernel_mean, 0.2, layer.bias_mean)
+    rng = np.random.default_rng(16)
+    norm.set_weights([np.array([-1.5, 0.7, 2.0, 1.1]), rng.normal(size=4), rng.normal(size=4), rng.uniform(0.3, 3, 4)])
     return model
 
 

@@ -228,9 +228,10 @@ class MapLayer(KerasDVILayer):
         return from_channels_last(outputs, len(outputs.shape) - 3, self.data_format)
 
     def call(self, inputs):
-        if not isinstance(inputs, (list, tuple)) and self._on_vector(tuple(inputs.shape)):
-            if sampling.current_context(self) is not None:  # (samples, batch, K)
-                return self._sample(inputs)
+        single = not isinstance(inputs, (list, tuple))
+        if single and self._reads_vectors and sampling.current_context(self) is not None and len(inputs.shape) == 3:
+            return self._sample(inputs)  # a vector's samples (samples, batch, K)
+        if single and self._on_vector(tuple(inputs.shape)):
             return self._propagate_vector(*vectors.split(self, [inputs])[0])
         rank = self._map_rank(tuple(inputs[0].shape) if isinstance(inputs, (list, tuple)) else tuple(inputs.shape))
         inputs = to_channels_last(inputs, rank, self.data_format)
