@@ -77,6 +77,7 @@ JAX_SUITE = [
     "tests/test_training.py::test_sample_and_class_weights_weigh_the_logged_nll_as_they_weigh_the_loss",
     "tests/test_training.py::test_a_shared_layer_counts_its_kl_once_and_steps_its_warm_up_once",
     "tests/test_training.py::test_branches_on_several_inputs_log_one_nll_and_kl",
+    "tests/test_training.py::test_heads_of_separate_outputs_on_the_same_data_log_one_nll_and_kl",
     "tests/test_training.py::test_an_explicit_training_false_is_respected",
     "tests/test_training.py::test_the_auto_warm_up_ends_on_the_objective_kl_weight_asks_for[10-6]",
     "tests/test_training.py::test_the_schedule_resumes_after_saving",

@@ -731,6 +731,26 @@ def test_branches_on_several_inputs_log_one_nll_and_kl():
     np.testing.assert_allclose([loss, logged_kl], [nll + kl, kl], rtol=1e-5)
 
 
+def test_heads_of_separate_outputs_on_the_same_data_log_one_nll_and_kl():
+    """Two keras-dvi heads reading the same data, one per output, never meeting (a Bayesian last
+    layer per head, `convert(..., last_layers=2)`): each held a tracker, with the warnings and
+    the logged `kl` of the multi-input case; they now share the first one's."""
+    rng = np.random.default_rng(23)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = [rng.normal(size=(64,)).astype("float32"), rng.normal(size=(64,)).astype("float32")]
+    prior = kd.EmpiricalBayesRegularizer(64, kl_weight=1.0)
+    inputs = keras.Input((4,))
+    features = keras.layers.Dense(6, activation="relu")(inputs)  # a plain body
+    heads = [kd.DenseDVI(2, regularizer=prior), kd.DenseDVI(2, regularizer=prior)]
+    model = keras.Model(inputs, [head(features) for head in heads])
+    model.compile(keras.optimizers.Adam(1e-3), loss=[kd.HeteroscedasticELL(), kd.HeteroscedasticELL()])
+    assert [metric.name for metric in model.metrics].count("elbo") <= 1
+    messages = _fit_messages(model, x, y, epochs=2, batch_size=16)
+    assert _misuse_free(messages), messages
+    loss, nll, logged_kl, kl = _objective_parts(model, x, y, heads, 64)
+    np.testing.assert_allclose([loss, logged_kl], [nll + kl, kl], rtol=1e-5)
+
+
 def test_num_train_is_checked_against_the_batch():
     """`num_train` set to the batch size went undetected (KL 14.4 instead of 2.1)."""
     x, y = _data(seed=13)

@@ -12,8 +12,10 @@ metric. A layer's `call` uses it in two lines:
 
 A layer called more than once in a forward pass (a shared layer: a Siamese network's tower)
 counts its KL once, and takes one step of its warm-up: its weights are drawn once. A network
-with several first layers (a model with several inputs, each read by a keras-dvi layer) keeps
-one tracker, elected where their branches meet (`elect_one_tracker`).
+with several first layers (a model with several inputs, each read by a keras-dvi layer, or
+heads of separate outputs reading the same data) keeps one tracker: elected where their
+branches meet (`elect_one_tracker`), or where they read the same tensor; the others join its
+step records (`KLTerm.join`).
 """
 
 import keras
@@ -21,6 +23,9 @@ from keras import ops
 
 from keras_dvi import elbo_tracker, objective, priors, validation
 from keras_dvi.packing import producer_of
+
+#: The attribute of a symbolic data tensor naming the first keras-dvi layer that reads it.
+DATA_READER = "_keras_dvi_data_reader"
 
 #: Names of the schedule's variables (saved with the model, in this order after the layer's
 #: own): the training steps taken, and the length of an `"auto"` warm-up (0: not planned yet).
@@ -40,6 +45,7 @@ class KLTerm:
     def __init__(self, layer):
         self.layer = layer
         self.tracker = None  # the network's ELBOTracker, in its first keras-dvi layer only
+        self.joined = None  # another first layer's tracker, whose records this one joins (`join`)
         self.unplaced = False  # built on its own (`build_unplaced`): its place waits for a call
         self.checked_num_train = False
         self.warned_no_prior = False
@@ -59,11 +65,18 @@ class KLTerm:
     def set_head(self, is_head):
         """Gives the layer the network's tracker if it is the network's first keras-dvi layer
         (its input is data), and takes it away if not."""
+        self.joined = None
         if is_head and self.tracker is None:
             self.tracker = elbo_tracker.ELBOTracker()
             self.tracker.head = elbo_tracker.HeadRef(self.layer)  # (a weak reference)
         elif not is_head:
             self.tracker = None
+
+    def join(self, tracker):
+        """Makes the layer, a first layer of its network beside another, report its steps to
+        that layer's `tracker` (`elect_one_tracker`): it opens or joins the step's record with
+        it and lists no tracker of its own."""
+        self.tracker, self.joined = None, tracker
 
     # ---------------------------------------------------------------- the weight w_t
 
@@ -124,7 +137,8 @@ class KLTerm:
     def start(self, training=False, inputs=None):
         """Opens the step's hand-off if the layer is the network's first keras-dvi layer, whose
         data `inputs` (2-D) also check `num_train` against the batch when training."""
-        if self.tracker is None:
+        tracker = self.tracker or self.joined
+        if tracker is None:
             return
         layer = self.layer
         num_train = None if layer.regularizer is None else layer.regularizer.num_train
@@ -137,7 +151,7 @@ class KLTerm:
             one_batch = int(rows) == num_train and objective.fit_holds_data_in_one_batch(objective.stepping_model())
             validation.num_train_against_batch(num_train, int(rows), f"{type(layer).__name__} {layer.name!r}",
                                                one_batch)
-        objective.start_step(self.tracker, training, layer.name, inputs)
+        objective.start_step(tracker, training, layer.name, inputs)
 
     def add(self, kl, training=False):
         """Adds `w_t * kl` to the model's losses and hands `kl` (the layer's unweighted `KL / N`,
@@ -179,6 +193,15 @@ def reads_data_changed(layer, inputs):
     if reads is not None:
         layer.kl_term.unplaced = False
         layer.kl_term.set_head(reads)
+        if reads:  # first layers reading the same data (heads of separate outputs) share one tracker
+            for tensor in keras.tree.flatten(inputs):
+                if not keras.utils.is_keras_tensor(tensor):
+                    continue
+                other = getattr(tensor, DATA_READER, None)
+                if other is None or other is layer:
+                    setattr(tensor, DATA_READER, layer)
+                elif other.kl_term.tracker is not None or other.kl_term.joined is not None:
+                    layer.kl_term.join(other.kl_term.tracker or other.kl_term.joined)
 
 
 def elect_one_tracker(tensors):
@@ -206,4 +229,4 @@ def elect_one_tracker(tensors):
     for tensor in tensors:
         walk(tensor)
     for head in heads[1:]:
-        head.kl_term.set_head(False)
+        head.kl_term.join(heads[0].elbo_tracker)
