@@ -93,12 +93,12 @@ def test_sums_and_concatenations_match_monte_carlo_through_keras_layers(first, s
 
 def _assert_moments_match(samples, layer, vector):
     """`layer`'s moments of the packed `vector` against Monte Carlo `samples`; a full covariance
-    through a ReLU (Wu et al.'s approximation off the diagonal) with covariances within 0.05 of
-    the units' standard deviations' product (measured: within 0.01)."""
+    through a ReLU (Wu et al.'s approximation off the diagonal) with covariances within 0.02 of
+    the units' standard deviations' product (measured: within 0.01, Monte Carlo error included)."""
     packed = packing.pack(*(keras.ops.convert_to_tensor(t.astype("float32")) for t in vector))
     out_mean, out_second = (to_numpy(t) for t in kd.unpack(layer(packed)))
     _assert_matches(samples, out_mean, out_second,
-                    approximate=0.05 if out_second.ndim == 3 and layer.activation != "linear" else 0.0)
+                    approximate=0.02 if out_second.ndim == 3 and layer.activation != "linear" else 0.0)
 
 
 @pytest.mark.parametrize("kind", ["diagonal", "full"])

@@ -118,14 +118,6 @@ def per_sample(function, samples):
     return ops.reshape(out, (shape[0], shape[1]) + tuple(ops.shape(out)[1:]))
 
 
-def _packed_vector(shape):
-    """Whether a 3-D shape is a packed dense keras-dvi output, `(batch, 2, K)` or `(batch, K + 1, K)`."""
-    try:
-        return packing.structure_of_shape(shape)[0] != packing.DETERMINISTIC
-    except ValueError:
-        return False
-
-
 class MapLayer(KerasDVILayer):
     """Base class: a layer without weights that reads packed keras-dvi feature maps
     `(batch, 3, *spatial, channels)` (channels first: `(batch, 3, channels, *spatial)`) with
@@ -165,13 +157,16 @@ class MapLayer(KerasDVILayer):
         moments, not data."""
         if not self._reads_vectors or isinstance(shape[0], (list, tuple)) or len(shape) > 3:
             return False
-        if len(shape) == 3 and not _packed_vector(shape):
+        try:
+            [(kind, _)] = vectors.structures(self, [shape])
+        except ValueError as error:
+            if len(shape) == 2:  # (data alone: the error says so)
+                raise
             raise ValueError(
                 f"{type(self).__name__} {self.name!r} takes a packed keras-dvi feature map (batch, 3, *spatial, "
                 "channels) or a dense keras-dvi output (batch, 2 or K + 1, K); received shape "
                 f"{tuple(shape)}, which is neither (data? On data, use the plain Keras layer, "
-                f"keras.layers.{type(self).__name__[:-3]}).")
-        [(kind, _)] = vectors.structures(self, [shape])
+                f"keras.layers.{type(self).__name__[:-3]}).") from error
         vectors.check_activation(self, getattr(self, "activation", "linear"), kind == packing.FULL)
         return True
 

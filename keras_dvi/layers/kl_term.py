@@ -72,6 +72,12 @@ class KLTerm:
         elif not is_head:
             self.tracker = None
 
+    @property
+    def reporting_to(self):
+        """The tracker the layer's steps report to, as a first layer: its own, or the one it
+        joined; `None` if it is not a first layer."""
+        return self.tracker or self.joined
+
     def join(self, tracker):
         """Makes the layer, a first layer of its network beside another, report its steps to
         that layer's `tracker` (`elect_one_tracker`): it opens or joins the step's record with
@@ -137,7 +143,7 @@ class KLTerm:
     def start(self, training=False, inputs=None):
         """Opens the step's hand-off if the layer is the network's first keras-dvi layer, whose
         data `inputs` (2-D) also check `num_train` against the batch when training."""
-        tracker = self.tracker or self.joined
+        tracker = self.reporting_to
         if tracker is None:
             return
         layer = self.layer
@@ -200,8 +206,8 @@ def reads_data_changed(layer, inputs):
                 other = getattr(tensor, DATA_READER, None)
                 if other is None or other is layer:
                     setattr(tensor, DATA_READER, layer)
-                elif other.kl_term.tracker is not None or other.kl_term.joined is not None:
-                    layer.kl_term.join(other.kl_term.tracker or other.kl_term.joined)
+                elif other.kl_term.reporting_to is not None:
+                    layer.kl_term.join(other.kl_term.reporting_to)
 
 
 def elect_one_tracker(tensors):
