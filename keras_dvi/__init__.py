@@ -7,11 +7,12 @@ networks without gradients. The public API, by topic:
 
 * dense layers: `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`; regression heads
   `HomoscedasticNoise`, `TargetScaling`;
-* convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
+* convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `Conv1DTransposeDVI`, `Conv2DTransposeDVI`,
+  `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
   `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
   `BatchNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
-  `Cropping2DDVI`;
+  `Cropping2DDVI`, `UpSampling1DDVI`, `UpSampling2DDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
   `ScalePriorRegularizer` (by default `kl_weight="auto"`: the ELBO for regression, the rule
@@ -70,6 +71,10 @@ _EXPORTS = {
     "ZeroPadding2DDVI": "keras_dvi.layers",
     "Cropping1DDVI": "keras_dvi.layers",
     "Cropping2DDVI": "keras_dvi.layers",
+    "Conv1DTransposeDVI": "keras_dvi.layers",
+    "Conv2DTransposeDVI": "keras_dvi.layers",
+    "UpSampling1DDVI": "keras_dvi.layers",
+    "UpSampling2DDVI": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
     "GlobalInducingConv2D": "keras_dvi.layers",
     "InducingInputs": "keras_dvi.layers",

@@ -26,13 +26,17 @@ _GLOBAL_POOLING = {
 #: The max poolings, onto which the ReLU of a convolution moves (`_pooled_producer`).
 _MAX_POOLING = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.GlobalMaxPooling1D,
                 keras.layers.GlobalMaxPooling2D)
-_CONV = {keras.layers.Conv1D: dvi.Conv1DDVI, keras.layers.Conv2D: dvi.Conv2DDVI}
-#: Zero padding and cropping: `(keras-dvi class, name of the argument)`.
+_CONV = {keras.layers.Conv1D: dvi.Conv1DDVI, keras.layers.Conv2D: dvi.Conv2DDVI,
+         keras.layers.Conv1DTranspose: dvi.Conv1DTransposeDVI, keras.layers.Conv2DTranspose: dvi.Conv2DTransposeDVI}
+_TRANSPOSED = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose)
+#: Zero padding, cropping and upsampling: `(keras-dvi class, name of the argument)`.
 _RESHAPING = {
     keras.layers.ZeroPadding1D: (dvi.ZeroPadding1DDVI, "padding"),
     keras.layers.ZeroPadding2D: (dvi.ZeroPadding2DDVI, "padding"),
     keras.layers.Cropping1D: (dvi.Cropping1DDVI, "cropping"),
     keras.layers.Cropping2D: (dvi.Cropping2DDVI, "cropping"),
+    keras.layers.UpSampling1D: (dvi.UpSampling1DDVI, "size"),
+    keras.layers.UpSampling2D: (dvi.UpSampling2DDVI, "size"),
 }
 #: Layers that do nothing at inference (keras-dvi layers model the weight noise themselves).
 _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
@@ -576,7 +580,9 @@ def _output_tasks(model, graph, heads):
     plain_losses = _output_losses(model, len(graph.output_layers))
     tasks = []
     for layer, head, loss in zip(graph.output_layers, heads, plain_losses):
-        units = keras.tree.flatten(layer.output)[0].shape[-1]
+        output = keras.tree.flatten(layer.output)[0]
+        channels_first = getattr(head, "data_format", None) == "channels_first" and len(output.shape) > 2
+        units = output.shape[1 if channels_first else -1]
         activations = {_activation_of(layer), _activation_of(head) if _is_weight_layer(head) else None}
         if units == 1 and ("sigmoid" in activations or _is_loss(loss, _BINARY_LOSSES, _BINARY_LOSS_NAMES)):
             tasks.append(BINARY)
@@ -602,11 +608,20 @@ def _output_layers(graph, identity):
 
 
 def _binary_logits(layer, kernel, bias):
-    """A built `Dense(2)` computing the logits `(0, z)` of a one-unit `Dense` computing `z` (with
-    `kernel`, `bias`): its softmax is `(1 - sigmoid(z), sigmoid(z))`, the binary classifier's."""
-    two = keras.layers.Dense(2, name=layer.name)
-    two.build((None, int(kernel.shape[0])))
-    two.set_weights([np.concatenate([np.zeros_like(kernel), kernel], axis=1),
+    """A built two-unit copy of a one-unit `Dense` or convolution (a binary segmentation's
+    output) computing `z` (with `kernel`, `bias`), that computes the logits `(0, z)`: its softmax
+    is `(1 - sigmoid(z), sigmoid(z))`, the binary classifier's."""
+    transposed = isinstance(layer, _TRANSPOSED)
+    config = {**layer.get_config(), "activation": "linear", "use_bias": True}
+    config["units" if isinstance(layer, keras.layers.Dense) else "filters"] = 2
+    two = type(layer).from_config(config)
+    channels = int(kernel.shape[-1 if transposed else -2])
+    rank = len(kernel.shape) - 2
+    spatial = (None,) * rank
+    two.build((None, channels) + spatial if getattr(layer, "data_format", None) == "channels_first" and rank
+              else (None,) + spatial + (channels,))
+    axis = -2 if transposed else -1  # (a transposed kernel is (*kernel_size, filters, in))
+    two.set_weights([np.concatenate([np.zeros_like(kernel), kernel], axis=axis),
                      np.array([0.0, 0.0 if bias is None else float(np.ravel(bias)[0])])])
     return two
 
@@ -626,6 +641,8 @@ def _folded_weights(layer, batch_norm):
     shift = (bias - mean) * scale + beta
     if isinstance(layer, keras.layers.DepthwiseConv2D):  # output channel c * multiplier + j
         scale = scale.reshape(kernel.shape[-2:])
+    elif isinstance(layer, _TRANSPOSED):  # kernel (*kernel_size, filters, in)
+        scale = scale[:, None]
     return kernel * scale, shift
 
 
@@ -655,7 +672,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `DepthwiseConv2D` | `DepthwiseConv2DDVI` |
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `GlobalMaxPooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
-    | `ZeroPadding*D`, `Cropping*D`, `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `ConcatenateDVI` |
+    | `Conv1DTranspose`, `Conv2DTranspose` | `Conv1DTransposeDVI`, `Conv2DTransposeDVI` |
+    | `ZeroPadding*D`, `Cropping*D`, `UpSampling*D` (nearest), `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `UpSampling*DDVI`, `ConcatenateDVI` |
     | `Add` of vectors (residual MLPs), `Concatenate` of vectors and inputs (wide and deep) | `AddDVI`, `ConcatenateDVI` |
     | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
@@ -748,7 +766,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     heads = _output_layers(graph, identity)
     tasks, plain_losses = _output_tasks(model, graph, heads)
     binary_heads = {id(head) for head, task in zip(heads, tasks) if task == BINARY
-                    and isinstance(head, keras.layers.Dense)}
+                    and isinstance(head, (keras.layers.Dense, *_CONV))}
     if last_layers is not None:  # every layer outside the head stays plain
         head = {id(layer) for layer in graph.layers}
         plain |= {id(operation) for operation in getattr(model, "operations", model.layers) if id(operation) not in head}
@@ -800,6 +818,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted = dvi.FlattenDVI(data_format=layer.data_format, name=layer.name)
         elif type(layer) in _RESHAPING:
             kind, argument = _RESHAPING[type(layer)]
+            if getattr(layer, "interpolation", "nearest") != "nearest":
+                raise ValueError(f"keras_dvi.convert: UpSampling2D {layer.name!r} interpolates "
+                                 f"({layer.interpolation!r}), mixing neighbouring units, whose covariances a keras-dvi "
+                                 "feature map does not carry; keras_dvi.UpSampling2DDVI repeats units "
+                                 "(interpolation='nearest'). Retrain the plain model with it, or with a "
+                                 "Conv2DTranspose, or convert with `last_layers=k`.")
             converted = kind(getattr(layer, argument), data_format=getattr(layer, "data_format", first_format),
                              name=layer.name)
         elif isinstance(layer, keras.layers.Concatenate):
@@ -832,9 +856,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         else:
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
-                "Supported: Dense, Conv1D, Conv2D, pooling, global average pooling, Flatten, Add, Multiply "
-                "(squeeze-and-excitation), Concatenate "
-                "(vectors, or channels), ZeroPadding, Cropping, batch normalisation (folded, or on feature maps and "
+                "Supported: Dense, Conv1D, Conv2D (and their transposed forms), pooling, global average pooling, "
+                "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
+                "(vectors, or channels), ZeroPadding, Cropping, UpSampling (nearest), batch normalisation (folded, or on feature maps and "
                 "vectors), folded "
                 "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "
@@ -999,15 +1023,26 @@ _CARRIED_METRICS = {
 }
 
 
+def _metric_entries(metrics_config):
+    """The metrics of a compile config's `metrics` (a list, a dict per output, nested): names,
+    and metric objects as their serialised dicts (`{"class_name": ..., "config": ...}`), which
+    are entries themselves, not structures to flatten."""
+    if isinstance(metrics_config, dict) and "class_name" in metrics_config:
+        return [metrics_config]
+    if isinstance(metrics_config, dict):
+        metrics_config = list(metrics_config.values())
+    if isinstance(metrics_config, (list, tuple)):
+        return [entry for item in metrics_config for entry in _metric_entries(item)]
+    return [] if metrics_config is None else [metrics_config]
+
+
 def _carried_metrics(model, classifier):
     """The keras-dvi counterparts of the plain model's compiled metrics (`_CARRIED_METRICS`:
     accuracy for a classifier, the squared error for a regression; for a model with several
     outputs, `classifier=None`, none); a warning names those without one."""
     config = model.get_compile_config() if getattr(model, "compiled", False) else None
-    names = []
-    for entry in keras.tree.flatten((config or {}).get("metrics") or []):
-        name = entry.get("class_name") if isinstance(entry, dict) else entry
-        names.append(name if isinstance(name, str) else repr(entry))
+    names = [entry.get("class_name") if isinstance(entry, dict) else entry if isinstance(entry, str) else repr(entry)
+             for entry in _metric_entries((config or {}).get("metrics"))]
     wanted = None if classifier is None else metrics.MeanLogitAccuracy if classifier else metrics.PredictiveMSE
     carried = [name for name in names if wanted is not None and _CARRIED_METRICS.get(name) is wanted]
     dropped = [name for name in names if _CARRIED_METRICS.get(name) is not wanted]

@@ -36,6 +36,18 @@ def _moments(y_pred, loss, sampled_loss):
     return packing.unpack(y_pred)
 
 
+def _positions(y_pred):
+    """The positions of each example of a dense prediction (a feature-map output), 1 for any
+    other output: an example's expected log-likelihood is the sum over its positions, which are
+    conditionally independent given the weights, so that the KL's `num_train` counts examples
+    (images), as for any other model. The losses return each position's value times this
+    number, so that Keras' mean over the batch and the positions is the mean per example and
+    per-pixel sample weights weigh as Keras weighs them."""
+    if not packing.is_map(y_pred.shape):
+        return 1.0
+    return ops.cast(ops.prod(ops.shape(y_pred)[2:-1]), "float32")
+
+
 class _ValidatingLoss(keras.losses.Loss):
     """Base of the keras-dvi losses: the `validate` flag and its config entry, and the report of
     the step's `nll` (`__call__`)."""
@@ -62,6 +74,7 @@ class _ValidatingLoss(keras.losses.Loss):
             unweighted = reported
             if sample_weight is not None or self.reduction != "sum_over_batch_size":
                 unweighted = ops.mean(self.call(ops.convert_to_tensor(y_true), ops.convert_to_tensor(y_pred)))
+            unweighted = unweighted / _positions(y_pred)  # (per pixel of a dense prediction: against log C)
         objective.report_nll(reported, probabilities, unweighted)
         return loss
 
@@ -127,6 +140,13 @@ class HeteroscedasticELL(_ValidatingLoss):
     full-covariance output (`DenseDVI`) the `m`-`l` covariance `S_ml` is used; a diagonal
     output (`DenseDiagDVI`) has none, so `S_ml = 0` is assumed there: use a `DenseDVI` head.
 
+    A dense prediction (the output a feature map with `2 D` channels: a per-pixel regression)
+    is scored at every position against targets `(batch, *spatial, D)` (or `(batch, *spatial)`
+    for `D = 1`); an example's loss is the sum over its positions (conditionally independent
+    given the weights, so the prior's `num_train` counts images), returned per position as the
+    position's value times the number of positions, so that Keras' mean over the batch and the
+    positions is the mean per example and per-pixel `sample_weight`s weigh as in Keras.
+
     Args:
         validate: targets and outputs are checked for NaN/inf in eager calls; `True` also
             checks them inside `fit`/`evaluate` (TensorFlow assertions).
@@ -142,8 +162,9 @@ class HeteroscedasticELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
+        units, y_pred_map = y_pred.shape[-1], y_pred
+        y_true, y_pred, restore = packing.per_position(y_true, y_pred, "HeteroscedasticELL", (units or 0) // 2)
         mean, second = _moments(y_pred, "HeteroscedasticELL", "SampledHeteroscedasticELL")
-        units = mean.shape[-1]
         if units is None or units % 2:
             raise ValueError(
                 "HeteroscedasticELL needs a model output with an even number of units, "
@@ -163,8 +184,8 @@ class HeteroscedasticELL(_ValidatingLoss):
         m, log_var = mean[:, :dims], mean[:, dims:]
         s_mm, s_ll = variance[:, :dims], variance[:, dims:]
         precision = moments.safe_exp(0.5 * s_ll - log_var)
-        nll = 0.5 * (_LOG_2PI + log_var + (s_mm + ops.square(m - cross - y)) * precision)
-        return ops.sum(nll, axis=-1)
+        nll = ops.sum(0.5 * (_LOG_2PI + log_var + (s_mm + ops.square(m - cross - y)) * precision), axis=-1)
+        return nll if restore is None else restore(nll) * ops.cast(_positions(y_pred_map), nll.dtype)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -196,6 +217,12 @@ class SoftmaxDeltaELL(_ClassificationLoss):
     shape `(batch,)` or `(batch, 1)` is the probability of class 1, as Keras' binary
     cross-entropy reads it: 0 or 1, or a soft label such as 0.9.
 
+    A dense prediction (segmentation: the output a feature map with `C` channels) is scored at
+    every position, with labels `(batch, *spatial)`, `(batch, *spatial, 1)` or one-hot
+    `(batch, *spatial, C)` (two classes: a mask of class-1 probabilities); an example's loss is
+    the sum over its positions, as in `HeteroscedasticELL`, so that the prior's `num_train`
+    counts images and the logged `nll` is per image.
+
     Args:
         method: `"jankowiak"` (default) or `"delta"`.
         validate: as in `HeteroscedasticELL`.
@@ -220,6 +247,8 @@ class SoftmaxDeltaELL(_ClassificationLoss):
         self.method = method
 
     def call(self, y_true, y_pred):
+        y_pred_map = y_pred
+        y_true, y_pred, restore = packing.per_position(y_true, y_pred, "SoftmaxDeltaELL", y_pred.shape[-1])
         mean, second = _moments(y_pred, "SoftmaxDeltaELL", "SampledSoftmaxELL")
         classes = mean.shape[-1]
         if classes is None or classes < 2:
@@ -243,9 +272,12 @@ class SoftmaxDeltaELL(_ClassificationLoss):
                 quadratic = ops.sum(ops.square(p) * variance, axis=-1)
             correction = 0.5 * (ops.sum(p * variance, axis=-1) - quadratic)
             ell = log_p - correction[:, None]
-        return validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
+        nll = validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
+        return nll if restore is None else restore(nll) * ops.cast(_positions(y_pred_map), nll.dtype)
 
     def probabilities(self, y_pred):
+        if packing.is_map(y_pred.shape):  # a dense prediction: one row per position
+            y_pred = packing.positions_as_rows(y_pred)[0]
         return ops.softmax(packing.unpack(y_pred)[0], axis=-1)
 
     def get_config(self):

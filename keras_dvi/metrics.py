@@ -2,13 +2,28 @@
 tensor, not the prediction): pass these to `model.compile(metrics=[...])`.
 
 Each wraps a function of `keras_dvi.predictive` and averages it over examples like any
-`keras.metrics.MeanMetricWrapper`.
+`keras.metrics.MeanMetricWrapper` (over examples and positions for a dense prediction, a
+feature-map output, as Keras' own metrics score each pixel).
 """
 
 import keras
 from keras import ops
 
 from keras_dvi import objective, packing, predictive, validation
+
+
+def _per_position(function, name, regression):
+    """`function(y_true, y_pred)` per example, and for a dense prediction (a feature map
+    output, `packing.per_position`) per position `(batch, *spatial)`, as Keras' own metrics
+    score each pixel."""
+
+    def wrapped(y_true, y_pred):
+        targets = y_pred.shape[-1] // 2 if regression else y_pred.shape[-1]
+        y_true, y_pred, restore = packing.per_position(y_true, y_pred, name, targets)
+        values = function(y_true, y_pred)
+        return values if restore is None else restore(values)
+
+    return wrapped
 
 
 def _squared_error(y_true, y_pred):
@@ -53,7 +68,7 @@ class PredictiveMSE(_PredictiveMetric):
     `sqrt` of it is the RMSE (in the units of the targets the model was trained on).
     """
 
-    fn = staticmethod(_squared_error)
+    fn = staticmethod(_per_position(_squared_error, "PredictiveMSE", regression=True))
     default_name = "predictive_mse"
 
 
@@ -61,7 +76,7 @@ class PredictiveMSE(_PredictiveMetric):
 class PredictiveLogLikelihood(_PredictiveMetric):
     """Mean log predictive density of the targets (eq. 9 Gaussian), per example."""
 
-    fn = staticmethod(_log_likelihood)
+    fn = staticmethod(_per_position(_log_likelihood, "PredictiveLogLikelihood", regression=True))
     default_name = "predictive_log_likelihood"
 
 
@@ -72,5 +87,5 @@ class MeanLogitAccuracy(_PredictiveMetric):
     Logged as `mean_logit_accuracy` (`val_mean_logit_accuracy` for validation data), the name
     a callback's `monitor` takes; before 0.1.0 it was logged as `accuracy`."""
 
-    fn = staticmethod(_accuracy)
+    fn = staticmethod(_per_position(_accuracy, "MeanLogitAccuracy", regression=False))
     default_name = "mean_logit_accuracy"

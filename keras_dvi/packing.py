@@ -94,6 +94,52 @@ def split_map(inputs, rank, name="inputs"):
     return rows[0], rows[1], shared, kind
 
 
+def is_map(shape):
+    """Whether a tensor of `shape` is a packed feature map `(batch, 2 or 3, *spatial, channels)`
+    (a dense form has 3 axes, data of a map one axis fewer)."""
+    return len(shape) >= 4 and shape[1] in (2, MAP_ROWS)
+
+
+def positions_as_rows(y_pred):
+    """A packed feature map `(batch, 2 or 3, *spatial, channels)` as one diagonal packed row per
+    position, `(batch * positions, 2, channels)` (means and variances; the shared components
+    are dropped: different channels' are independent, so each position's covariance over the
+    channels is diagonal), and `restore`, which turns a value per row back into `(batch,
+    *spatial)`. The losses and predictions of a dense prediction (segmentation) read a map so."""
+    y_pred = ops.convert_to_tensor(y_pred)
+    mean, variance = ops.unstack(y_pred, num=int(y_pred.shape[1]), axis=1)[:2]
+    rows = ops.reshape(ops.stack([mean, variance], axis=-2), (-1, 2, y_pred.shape[-1]))
+    leading = ops.shape(mean)[:-1]
+    return rows, lambda per_row: ops.reshape(per_row, leading + tuple(ops.shape(per_row)[1:]))
+
+
+def per_position(y_true, y_pred, name, per_row_targets):
+    """A dense prediction (segmentation; the output a packed feature map `(batch, 3, *spatial,
+    C)`): its positions as rows `(batch * positions, 2, C)` (`positions_as_rows`), the
+    targets as rows, and `restore`, which gives the loss per position `(batch, *spatial)` (Keras
+    reduces it as it reduces its own per-pixel losses: the mean over the batch and the
+    positions). Targets: `(batch, *spatial)`, `(batch, *spatial, 1)` or `(batch, *spatial,
+    per_row_targets)` (one-hot labels; a regression's targets). Any other output: unchanged,
+    `restore` `None`."""
+    shape = tuple(y_pred.shape)
+    if not is_map(shape):
+        return y_true, y_pred, None
+    spatial, target_shape = shape[2:-1], tuple(y_true.shape)
+    last = target_shape[len(spatial) + 1:]
+    if (len(target_shape) not in (len(spatial) + 1, len(spatial) + 2) or last not in ((), (1,), (per_row_targets,))
+            or any(t is not None and s is not None and t != s for t, s in zip(target_shape[1:], spatial))):
+        dims = ", ".join("?" if n is None else str(n) for n in spatial)
+        raise ValueError(
+            f"{name}: the model outputs a feature map (a dense prediction: one prediction per position, "
+            f"spatial shape ({dims})), so `y_true` must have shape (batch, {dims}) or (batch, {dims}, 1) (class "
+            f"labels; one target), or (batch, {dims}, {per_row_targets}) (one-hot labels; targets); received "
+            f"shape {target_shape}."
+        )
+    rows, restore = positions_as_rows(y_pred)
+    y_rows = ops.reshape(y_true, (-1,) if not last else (-1, last[0]))
+    return y_rows, rows, restore
+
+
 def packed_shape(input_shape, units, full):
     """Shape of a packed output with `units` features, batch size taken from `input_shape`."""
     nested = isinstance(input_shape, (list, tuple)) and isinstance(input_shape[0], (list, tuple))
@@ -140,7 +186,7 @@ def structure_of_shape(shape, name="inputs"):
             )
         return kind, features
     shape = tuple(shape)
-    if len(shape) >= 4 and shape[1] in (2, MAP_ROWS):
+    if is_map(shape):
         raise ValueError(
             f"Argument `{name}` is a packed keras-dvi feature map of shape {shape}: dense keras-dvi "
             "layers take vectors. Put `keras_dvi.FlattenDVI()` or a `GlobalAveragePooling1DDVI` / "
@@ -215,7 +261,7 @@ def unpack(outputs, covariance="auto"):
         )
     if not isinstance(outputs, (list, tuple)):
         outputs = ops.convert_to_tensor(outputs)
-        if len(outputs.shape) >= 4 and outputs.shape[1] in (2, MAP_ROWS):  # a feature map
+        if is_map(outputs.shape):  # a feature map
             mean, variance = outputs[:, 0], outputs[:, 1]
             if covariance == "full":
                 raise ValueError(

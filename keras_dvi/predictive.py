@@ -52,8 +52,12 @@ def regression_moments(y_pred):
 
     Returns:
         Dict of `(batch, D)` tensors: `mean`, `variance` (= `epistemic + aleatoric`),
-        `epistemic` (`S_mm`) and `aleatoric` (`exp(E[l] + S_ll / 2)`).
+        `epistemic` (`S_mm`) and `aleatoric` (`exp(E[l] + S_ll / 2)`); for a feature map (a
+        dense prediction, `2 D` channels) `(batch, *spatial, D)`, at every position.
     """
+    if packing.is_map(y_pred.shape):  # a dense prediction: every position's, `(batch, *spatial, D)`
+        rows, restore = packing.positions_as_rows(y_pred)
+        return {name: restore(value) for name, value in regression_moments(rows).items()}
     m, log_var, s_mm, s_ll = _split_regression(y_pred)
     aleatoric = moments.safe_exp(log_var + 0.5 * s_ll)
     return {"mean": m, "variance": s_mm + aleatoric, "epistemic": s_mm, "aleatoric": aleatoric}
@@ -156,13 +160,17 @@ def class_probabilities(y_pred, method="mean", num_samples=256, seed=None):
 
     Returns:
         `(batch, C)` probabilities: rows sum to one, every entry positive (at least about
-        1e-30; 1e-7 in float16) and finite for any finite input.
+        1e-30; 1e-7 in float16) and finite for any finite input. For a feature map with `C`
+        channels (a dense prediction: segmentation), `(batch, *spatial, C)`, at every position.
     """
     if method not in CLASS_PROBABILITY_METHODS:
         raise ValueError(
             f"Argument `method` must be one of {', '.join(repr(m) for m in CLASS_PROBABILITY_METHODS)}; "
             f"received method={method!r}."
         )
+    if packing.is_map(y_pred.shape):  # one row of logits per position
+        rows, restore = packing.positions_as_rows(y_pred)
+        return restore(class_probabilities(rows, method, num_samples, seed))
     mean, second = packing.unpack(y_pred)
     full = len(second.shape) == 3
     variance = ops.diagonal(second, axis1=-2, axis2=-1) if full else second
@@ -534,6 +542,10 @@ def predict(model, x, task=None, level=0.95, num_samples=100, batch_size=None, p
         probability_method: method of `class_probabilities` for DVI classifiers: `"mean"`
             (default, calibrated in distribution) or `"probit"` (for inputs that may be
             shifted or out of distribution).
+
+    A dense prediction (segmentation, per-pixel regression: the output a feature map) gets
+    every position's summary: probabilities `(n, *spatial, C)`, label and entropy `(n,
+    *spatial)`; regression entries `(n, *spatial, D)`.
 
     A model with several outputs, compiled with a keras-dvi loss per output (a dict or list of
     losses), gets a summary per output, in the structure of `model.predict`'s outputs (a dict

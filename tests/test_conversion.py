@@ -376,6 +376,14 @@ def test_a_classifier_keeps_its_label_smoothing_and_accuracy_metric():
     logits = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
     logits.compile("adam", keras.losses.sparse_categorical_crossentropy)  # a loss function: a classifier too
     assert isinstance(kd.convert(logits, **TINY).loss, kd.SoftmaxDeltaELL)
+    # metric objects carry by class (a serialised metric is one entry, not a structure of its
+    # arguments: the warning named "'float32', '0.5', 'keras.metrics', 'None'")
+    plain.compile("adam", keras.losses.CategoricalCrossentropy(),
+                  metrics=[keras.metrics.CategoricalAccuracy(name="acc"), keras.metrics.MeanAbsoluteError(name="mae")])
+    with pytest.warns(UserWarning, match=r"metric 'MeanAbsoluteError' is not carried over") as caught:
+        converted = kd.convert(plain, **TINY)
+    assert "float32" not in str(caught[0].message)
+    assert sorted(converted.fit(x, labels, epochs=1, verbose=0).history) == ["kl", "loss", "mean_logit_accuracy", "nll"]
     plain.compile("adam", keras.losses.CategoricalFocalCrossentropy())
     with pytest.warns(UserWarning, match="CategoricalFocalCrossentropy is not carried over.*class_weight"):
         assert isinstance(kd.convert(plain, **TINY).loss, kd.SoftmaxDeltaELL)

@@ -1,7 +1,8 @@
 """Whole converted networks against Monte Carlo over their weights: the conversion guide's table
 "The whole network against Monte Carlo".
 
-Each network is built with random weights at 32x32 (Keras' applications with 5 classes),
+Each network is built with random weights at 32x32 (Keras' applications with 5 classes; a
+U-Net with 3 classes per pixel),
 its batch normalisation's scales and statistics randomised and then calibrated on a batch of
 32 images (a normalised network, as after training), converted by `keras_dvi.convert` with
 the default posterior variances, and its moments compared with 300 draws of the weights
@@ -34,8 +35,36 @@ def _resnet20():
     return resnet20()
 
 
+def unet(size=32, classes=3):
+    """keras.io's U-Net for the Oxford pets ("Image segmentation with a U-Net-like
+    architecture"), at `size` x `size`: separable convolutions, batch normalisation and
+    residual sums down, transposed convolutions and upsampling back up, a per-pixel softmax."""
+    layers = keras.layers
+    inputs = keras.Input((size, size, 3))
+    x = layers.Activation("relu")(layers.BatchNormalization()(layers.Conv2D(32, 3, strides=2, padding="same")(inputs)))
+    previous = x
+    for filters in (64, 128, 256):
+        x = layers.Activation("relu")(x)
+        x = layers.BatchNormalization()(layers.SeparableConv2D(filters, 3, padding="same")(x))
+        x = layers.Activation("relu")(x)
+        x = layers.BatchNormalization()(layers.SeparableConv2D(filters, 3, padding="same")(x))
+        x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        x = layers.add([x, layers.Conv2D(filters, 1, strides=2, padding="same")(previous)])
+        previous = x
+    for filters in (256, 128, 64, 32):
+        x = layers.Activation("relu")(x)
+        x = layers.BatchNormalization()(layers.Conv2DTranspose(filters, 3, padding="same")(x))
+        x = layers.Activation("relu")(x)
+        x = layers.BatchNormalization()(layers.Conv2DTranspose(filters, 3, padding="same")(x))
+        x = layers.UpSampling2D(2)(x)
+        x = layers.add([x, layers.Conv2D(filters, 1, padding="same")(layers.UpSampling2D(2)(previous))])
+        previous = x
+    return keras.Model(inputs, layers.Conv2D(classes, 3, activation="softmax", padding="same")(x))
+
+
 NETWORKS = {
     "resnet20": _resnet20,
+    "unet": unet,
     "MobileNetV2": _applications(keras.applications.MobileNetV2, alpha=0.35),
     "MobileNetV3Small": _applications(keras.applications.MobileNetV3Small),
     "MobileNetV3Small-minimalistic": _applications(keras.applications.MobileNetV3Small, minimalistic=True),
@@ -79,11 +108,13 @@ def calibrate_batch_norm(model, x):
 
 def moments_and_samples(plain, x, draws, seed):
     """The converted network's moments (default variances) and its Monte Carlo draws over the
-    weights, for the feature map its last global pooling reads and for its logits:
+    weights, for the feature map its last global pooling reads (a dense prediction: the map its
+    output layer reads) and for its logits (a dense prediction: every pixel's):
     `((map mean, map variance, map samples), (logit mean, logit variance, logit samples))`."""
     converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=50000))
-    pooling = [layer for layer in converted.layers if isinstance(layer, kd.GlobalAveragePooling2DDVI)][-1]
-    both = keras.Model(converted.inputs, [pooling.input, converted.outputs[0]])
+    pooling = [layer for layer in converted.layers if isinstance(layer, kd.GlobalAveragePooling2DDVI)]
+    last_map = pooling[-1].input if pooling else converted.layers[-1].input
+    both = keras.Model(converted.inputs, [last_map, converted.outputs[0]])
     packed_map, packed_logits = both(x)
     map_mean, map_variance = (keras.ops.convert_to_numpy(t) for t in kd.unpack(packed_map))
     logit_mean, logit_variance = (keras.ops.convert_to_numpy(t)

@@ -5,7 +5,7 @@ from keras_dvi.layers.add_dvi import AddDVI
 from keras_dvi.layers.base import BayesianLayer
 from keras_dvi.layers.batch_normalization_dvi import BatchNormalizationDVI
 from keras_dvi.layers.concatenate_dvi import ConcatenateDVI
-from keras_dvi.layers.conv_dvi import Conv1DDVI, Conv2DDVI
+from keras_dvi.layers.conv_dvi import Conv1DDVI, Conv1DTransposeDVI, Conv2DDVI, Conv2DTransposeDVI
 from keras_dvi.layers.conv_mcvi import Conv1DMCVI, Conv2DMCVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.dense_dvi import DenseDVI
@@ -18,7 +18,14 @@ from keras_dvi.layers.global_inducing_dvi import GlobalInducingDenseDVI
 from keras_dvi.layers.inducing_inputs import InducingInputs
 from keras_dvi.layers.multiply_dvi import MultiplyDVI
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
-from keras_dvi.layers.padding_dvi import Cropping1DDVI, Cropping2DDVI, ZeroPadding1DDVI, ZeroPadding2DDVI
+from keras_dvi.layers.padding_dvi import (
+    Cropping1DDVI,
+    Cropping2DDVI,
+    UpSampling1DDVI,
+    UpSampling2DDVI,
+    ZeroPadding1DDVI,
+    ZeroPadding2DDVI,
+)
 from keras_dvi.layers.pooling_dvi import (
     AveragePooling1DDVI,
     AveragePooling2DDVI,
@@ -39,4 +46,5 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "GlobalMaxPooling1DDVI", "GlobalMaxPooling2DDVI",
            "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "ZeroPadding1DDVI",
-           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI"]
+           "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI",
+           "Conv1DTransposeDVI", "Conv2DTransposeDVI", "UpSampling1DDVI", "UpSampling2DDVI"]

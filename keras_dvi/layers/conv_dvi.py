@@ -1,6 +1,7 @@
-"""`Conv1DDVI`, `Conv2DDVI`: Bayesian convolutions propagating per-position moments, and the
-convolution arguments (`ConvArguments`) and helpers they share with the sampling baselines
-`Conv1DMCVI`, `Conv2DMCVI`."""
+"""`Conv1DDVI`, `Conv2DDVI` and the transposed `Conv1DTransposeDVI`, `Conv2DTransposeDVI`:
+Bayesian convolutions propagating per-position moments, and the convolution arguments
+(`ConvArguments`) and helpers they share with the sampling baselines `Conv1DMCVI`,
+`Conv2DMCVI`."""
 
 import math
 
@@ -42,10 +43,16 @@ class ConvArguments:
             `keras.config.image_data_format()`.
         dilation_rate: positive integer or tuple (default 1); with strides above 1 it must be 1,
             as in Keras.
+        transpose: whether the convolution is transposed (`keras.layers.Conv2DTranspose`:
+            kernel `(*kernel_size, filters, in)`, output positions `strides` times the input's).
+        output_padding: a transposed convolution's `output_padding` (`None`, a non-negative
+            integer or tuple, each below the stride), as in Keras.
     """
 
-    def __init__(self, rank, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1):
+    def __init__(self, rank, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
+                 transpose=False, output_padding=None):
         self.rank = rank
+        self.transpose = bool(transpose)
         self.filters = validation.positive_integer("filters", filters, " (output channels)")
         self.kernel_size = integers("kernel_size", kernel_size, rank)
         self.strides = integers("strides", strides, rank)
@@ -57,6 +64,19 @@ class ConvArguments:
                 "Arguments `strides` and `dilation_rate` cannot both be above 1 (as in Keras' "
                 f"convolutions); received strides={strides!r}, dilation_rate={dilation_rate!r}."
             )
+        self.output_padding = None
+        if output_padding is not None:
+            if not self.transpose:
+                raise ValueError("Argument `output_padding` applies to transposed convolutions only.")
+            values = (output_padding,) * rank if isinstance(output_padding, int) else output_padding
+            if (not isinstance(values, (tuple, list)) or len(values) != rank
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < s
+                               for v, s in zip(values, self.strides))):
+                raise ValueError(
+                    f"Argument `output_padding` must be None or a non-negative integer or tuple of {rank} of them, "
+                    f"each below the stride (strides={self.strides}), as in Keras; received "
+                    f"output_padding={output_padding!r}.")
+            self.output_padding = tuple(values)
 
     def attach(self, layer):
         """Holds these arguments in `layer.conv` and sets them as its attributes, as Keras'
@@ -66,14 +86,54 @@ class ConvArguments:
             setattr(layer, name, value)
 
     def config(self):
-        return {"filters": self.filters, "kernel_size": self.kernel_size, "strides": self.strides,
-                "padding": self.padding, "data_format": self.data_format, "dilation_rate": self.dilation_rate}
+        config = {"filters": self.filters, "kernel_size": self.kernel_size, "strides": self.strides,
+                  "padding": self.padding, "data_format": self.data_format, "dilation_rate": self.dilation_rate}
+        if self.transpose:
+            config["output_padding"] = self.output_padding
+        return config
 
     def window(self):
         """The arguments of `keras_dvi.conv_moments`' convolutions."""
-        return {"strides": self.strides, "padding": self.padding, "dilation_rate": self.dilation_rate}
+        window = {"strides": self.strides, "padding": self.padding, "dilation_rate": self.dilation_rate}
+        if self.transpose:
+            window["output_padding"] = self.output_padding
+        return window
+
+    def kernel_shape(self, channels):
+        """The kernel's shape for `channels` input channels, in Keras' layout:
+        `(*kernel_size, in, filters)`, transposed `(*kernel_size, filters, in)`."""
+        pair = (self.filters, channels) if self.transpose else (channels, self.filters)
+        return self.kernel_size + pair
+
+    def fan_in(self, channels):
+        """The inputs each output unit reads: `prod(kernel_size) * in`; transposed, on average
+        `prod(kernel_size) * in / prod(strides)` (the default initial variance and the priors'
+        per-fan-in scales use it)."""
+        window = math.prod(self.kernel_size) * channels
+        return max(1, round(window / math.prod(self.strides))) if self.transpose else window
+
+    def moments(self, *args, **kwargs):
+        """`keras_dvi.conv_moments.conv_moments` (transposed: `conv_transpose_moments`) with
+        this convolution's window."""
+        if self.transpose:
+            kwargs.pop("depthwise", None)
+            return conv_moments.conv_transpose_moments(*args, **kwargs, **self.window())
+        return conv_moments.conv_moments(*args, **kwargs, **self.window())
+
+    def sampled(self, inputs, kernels, bias, depthwise=False):
+        """This convolution of samples, one kernel per sample (`conv_moments.sampled_conv`,
+        transposed `sampled_conv_transpose`)."""
+        if self.transpose:
+            return conv_moments.sampled_conv_transpose(inputs, kernels, bias, **self.window())
+        return conv_moments.sampled_conv(inputs, kernels, bias, depthwise=depthwise, **self.window())
 
     def output_spatial(self, spatial, name):
+        if self.transpose:
+            pads = conv_moments.transpose_pads(self.kernel_size, self.strides, self.padding, self.output_padding,
+                                               self.dilation_rate)
+            return tuple(None if n is None else (n - 1) * s + 1 + b + a - (k - 1) * d
+                         for n, s, (b, a), k, d in zip(spatial, self.strides, pads, self.kernel_size,
+                                                       self.dilation_rate))
         out = tuple(output_size(n, k, s, self.padding, d)
                     for n, k, s, d in zip(spatial, self.kernel_size, self.strides, self.dilation_rate))
         if any(n is not None and n < 1 for n in out):
@@ -101,11 +161,12 @@ class ConvArguments:
 
 
 def build_kernel(layer, channels, is_head):
-    """Builds `layer`'s posterior over a `(*kernel_size, channels, filters)` kernel."""
+    """Builds `layer`'s posterior over its kernel for `channels` input channels
+    (`ConvArguments.kernel_shape`)."""
     if channels is None:
         raise ValueError(f"The channel dimension of the inputs to {type(layer).__name__} must be defined.")
-    layer._build_posterior(math.prod(layer.kernel_size) * channels, layer.filters, is_head,
-                           kernel_shape=layer.kernel_size + (channels, layer.filters))
+    layer._build_posterior(layer.conv.fan_in(channels), layer.filters, is_head,
+                           kernel_shape=layer.conv.kernel_shape(channels))
     layer._channels = channels
 
 
@@ -127,13 +188,14 @@ def sample_conv(layer, h, context):
     if bias_mean is not None:
         bias = bias_mean + ops.sqrt(bias_var) * keras.random.normal(
             (context.num_samples, bias_mean.shape[-1]), dtype=dtype, seed=context.seed_generator)
-    return conv_moments.sampled_conv(ops.cast(h, dtype), kernel_mean + ops.sqrt(kernel_var) * noise, bias,
-                                     depthwise=getattr(layer, "depthwise", False), **layer.conv.window())
+    return layer.conv.sampled(ops.cast(h, dtype), kernel_mean + ops.sqrt(kernel_var) * noise, bias,
+                              depthwise=getattr(layer, "depthwise", False))
 
 
 def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
     """A layer whose posterior means are the weights of a built `keras.layers.Conv1D` /
-    `Conv2D` (of this layer's rank) with a linear or ReLU activation.
+    `Conv2D` (of this layer's rank; a transposed layer: `Conv1DTranspose` / `Conv2DTranspose`)
+    with one of the layer's activations.
 
     Args:
         conv: the built Keras convolution.
@@ -146,9 +208,13 @@ def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
         A built layer of this class with the same filters, kernel size, strides, padding,
         data format, dilation, activation and bias.
     """
-    expected = {1: keras.layers.Conv1D, 2: keras.layers.Conv2D}[cls.rank]
+    transpose = getattr(cls, "transpose", False)
+    expected = {(1, False): keras.layers.Conv1D, (2, False): keras.layers.Conv2D,
+                (1, True): keras.layers.Conv1DTranspose, (2, True): keras.layers.Conv2DTranspose}[cls.rank, transpose]
     if not isinstance(conv, expected) or not conv.built or getattr(conv, "groups", 1) != 1:
         raise ValueError(f"Argument `conv` must be a built keras.layers.{expected.__name__} layer (groups=1).")
+    if transpose:
+        kwargs.setdefault("output_padding", conv.output_padding)
     if conv.padding not in PADDINGS:
         raise ValueError("Argument `conv` must use padding 'valid' or 'same' (not 'causal').")
     activation = kwargs.pop("activation", getattr(conv.activation, "__name__", None))
@@ -158,7 +224,7 @@ def from_conv(cls, conv, kernel_variance=None, bias_variance=None, **kwargs):
         data_format=conv.data_format, dilation_rate=conv.dilation_rate, activation=None if activation == "linear" else activation,
         kernel_variance_init=kernel_variance, bias_variance_init=bias_variance, **kwargs,
     )
-    channels = int(conv.kernel.shape[-2])
+    channels = int(conv.kernel.shape[-1 if transpose else -2])
     build_unplaced(layer, layer.conv.restore_shape((None,) + (None,) * cls.rank + (channels,)))
     layer.set_posterior(conv.kernel, layer.kernel_variance, conv.bias if conv.use_bias else None)
     return layer
@@ -170,6 +236,7 @@ class ConvDVI(BayesianLayer):
 
     rank = None
     depthwise = False
+    transpose = False
 
     def __init__(self, filters, kernel_size, strides=1, padding="valid", data_format=None, dilation_rate=1,
                  activation=None, **kwargs):
@@ -214,9 +281,8 @@ class ConvDVI(BayesianLayer):
                                                   where=f"{type(self).__name__} {self.name!r}")
         self._report_kl(training, mean if kind == packing.DETERMINISTIC else None)
         kernel_mean, kernel_var, bias_mean, bias_var = self._posterior()
-        moments_a = conv_moments.conv_moments(mean, kernel_mean, kernel_var, bias_mean, bias_var, variance, shared,
-                                              depthwise=self.depthwise, conv_dtype=self.half_dtype,
-                                              **self.conv.window())
+        moments_a = self.conv.moments(mean, kernel_mean, kernel_var, bias_mean, bias_var, variance, shared,
+                                      depthwise=self.depthwise, conv_dtype=self.half_dtype)
         return self.conv.restore(packing.pack_map(*conv_moments.activation_moments(*moments_a, self.activation)))
 
     def _sample(self, inputs, context):
@@ -305,3 +371,73 @@ class Conv2DDVI(ConvDVI):
     __doc__ = _CONV_DOC.format(rank=2, dims="rows, cols", new_dims="new_rows, new_cols",
                                input_example="(28, 28, 1)")
     rank = 2
+
+
+def _transpose_init(self, filters, kernel_size, strides=1, padding="valid", output_padding=None, data_format=None,
+                    dilation_rate=1, activation=None, **kwargs):
+    """`Conv1DTransposeDVI` / `Conv2DTransposeDVI`'s constructor: `ConvDVI`'s with
+    `output_padding`, the arguments in the order of Keras' `Conv*DTranspose`."""
+    BayesianLayer.__init__(self, activation=activation, **kwargs)
+    ConvArguments(self.rank, filters, kernel_size, strides, padding, data_format, dilation_rate, transpose=True,
+                  output_padding=output_padding).attach(self)
+
+
+_CONV_TRANSPOSE_DOC = """{rank}D transposed convolution with a factorised Gaussian posterior, propagating
+    per-position moments (`keras.layers.Conv{rank}DTranspose` for keras-dvi feature maps: the
+    decoders of U-Nets and autoencoders).
+
+    A transposed convolution is a convolution of its input with `strides - 1` zeros between
+    neighbouring positions, padded, with the kernel flipped
+    (`keras_dvi.conv_moments.conv_transpose_moments`): the moments are those of `Conv{rank}DDVI`
+    on that input (Wu et al., ICLR 2019, eqs. 3-4 per position, exact for the given input
+    moments; the shared components as for a convolution). Its convolutions run on the input
+    with the zeros in, `prod(strides)` times its positions. A weight's fan-in is
+    `prod(kernel_size) * input channels / prod(strides)`, the inputs an output unit reads on
+    average (the default initial variance `0.03 / fan_in` and the priors' per-fan-in scales
+    use it).
+
+    Args:
+        filters: positive integer, the number of output channels.
+        kernel_size: positive integer or tuple of {rank} positive integers.
+        strides: positive integer or tuple (default 1): the upsampling factor.
+        padding: `"valid"` (default) or `"same"`, as in Keras: `"same"` gives `strides` times
+            the input's positions.
+        output_padding: `None` (default) or a non-negative integer or tuple, each below the
+            stride: positions added after the output, as in Keras.
+        data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
+            `keras.config.image_data_format()`.
+        dilation_rate: positive integer or tuple (default 1).
+        activation: `None` (linear) or one of `Conv{rank}DDVI`'s activations (`"relu"`, ...).
+        **kwargs: the posterior's arguments as `Conv{rank}DDVI`'s (`use_bias`, `regularizer`,
+            `kernel_variance_init`, ...) and base layer arguments.
+
+    Input shape:
+        Data `(batch, {dims}, channels)`, or a packed feature map `(batch, 3, {dims}, channels)`
+        from another keras-dvi layer (channels first: `(batch, channels, {dims})`, `(batch, 3,
+        channels, {dims})`).
+
+    Output shape:
+        Packed `(batch, 3, {new_dims}, filters)`: means, variances and shared components. The
+        kernel has Keras' layout, `(*kernel_size, filters, input channels)`.
+
+    Examples:
+        >>> x = keras_dvi.Conv{rank}DDVI(16, 3, strides=2, padding="same", activation="relu", regularizer=prior)(inputs)
+        >>> x = keras_dvi.Conv{rank}DTransposeDVI(8, 3, strides=2, padding="same", activation="relu",
+        ...                                      regularizer=prior)(x)  # back to the input's size
+    """
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Conv1DTransposeDVI(ConvDVI):
+    __doc__ = _CONV_TRANSPOSE_DOC.format(rank=1, dims="steps", new_dims="new_steps")
+    rank = 1
+    transpose = True
+    __init__ = _transpose_init
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Conv2DTransposeDVI(ConvDVI):
+    __doc__ = _CONV_TRANSPOSE_DOC.format(rank=2, dims="rows, cols", new_dims="new_rows, new_cols")
+    rank = 2
+    transpose = True
+    __init__ = _transpose_init

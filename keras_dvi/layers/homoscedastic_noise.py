@@ -61,10 +61,11 @@ class HomoscedasticNoise(LearnedLogVariance):
 
     Input shape:
         A packed keras-dvi output with `D` units (full or diagonal), or a deterministic
-        `(batch, D)` tensor.
+        `(batch, D)` tensor; or a packed channels-last feature map `(batch, 3, *spatial, D)` (a
+        dense prediction: one regression per position, `D` targets each).
 
     Output shape:
-        The same form with `2 D` units: the `D` means, then the `D` log-variances.
+        The same form with `2 D` units (channels): the `D` means, then the `D` log-variances.
 
     Examples:
         >>> model = keras.Sequential([
@@ -74,14 +75,24 @@ class HomoscedasticNoise(LearnedLogVariance):
     """
 
     def build(self, input_shape):
+        if packing.is_map(input_shape):
+            self._add_log_variance(input_shape[-1])
+            return
         _, features = packing.structure_of_shape(input_shape)
         self._add_log_variance(features)
 
     def compute_output_shape(self, input_shape):
+        if packing.is_map(input_shape):
+            return tuple(input_shape[:-1]) + (None if input_shape[-1] is None else 2 * input_shape[-1],)
         kind, features = packing.structure_of_shape(input_shape)
         return packing.packed_shape(input_shape, 2 * features, full=kind == packing.FULL)
 
     def call(self, inputs):
+        if not isinstance(inputs, (list, tuple)) and packing.is_map(inputs.shape):
+            rows = ops.unstack(inputs, num=int(inputs.shape[1]), axis=1)
+            log_var = ops.cast(self.log_variance, rows[0].dtype) + ops.zeros_like(rows[0])
+            constant = [log_var] + [ops.zeros_like(row) for row in rows[1:]]  # (variance, shared component 0)
+            return ops.stack([ops.concatenate(pair, axis=-1) for pair in zip(rows, constant)], axis=1)
         mean, second, kind = packing.split(inputs)
         log_var = ops.cast(self.log_variance, mean.dtype) + ops.zeros_like(mean)
         out_mean = ops.concatenate([mean, log_var], axis=-1)

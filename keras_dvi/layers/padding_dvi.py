@@ -1,11 +1,12 @@
-"""Zero padding and cropping of keras-dvi feature maps (`keras_dvi.conv_moments.pad_moments`,
-`crop_moments`): exact, as `keras.layers.ZeroPadding*D` and `Cropping*D` on the moments."""
+"""Zero padding, cropping and upsampling of keras-dvi feature maps
+(`keras_dvi.conv_moments.pad_moments`, `crop_moments`, `upsample_moments`): exact, as
+`keras.layers.ZeroPadding*D`, `Cropping*D` and `UpSampling*D` on the moments."""
 
 import keras
 from keras import ops
 
 from keras_dvi import packing
-from keras_dvi.layers.feature_map import MapLayer
+from keras_dvi.layers.feature_map import MapLayer, integers
 from keras_dvi.maths import conv_moments
 
 
@@ -81,6 +82,86 @@ class CroppingDVI(MapLayer):
         config = super().get_config()
         config["cropping"] = self.cropping
         return config
+
+
+class UpSamplingDVI(MapLayer):
+    """Base class of `UpSampling1DDVI` / `UpSampling2DDVI` (see `UpSampling2DDVI`)."""
+
+    def __init__(self, size=2, data_format=None, interpolation="nearest", **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        self.size = integers("size", size, self.rank)
+        if interpolation != "nearest":
+            raise ValueError(
+                f"Argument `interpolation` must be 'nearest' (each unit repeated, exact); received "
+                f"interpolation={interpolation!r}. Other interpolations mix neighbouring units, whose "
+                "covariances a keras-dvi feature map does not carry; use 'nearest', or a "
+                "Conv2DTransposeDVI, which learns its upsampling.")
+        self.interpolation = interpolation
+
+    def _output_shape(self, input_shape):
+        spatial, channels = self._structure(input_shape)
+        out = tuple(None if n is None else n * k for n, k in zip(spatial, self.size))
+        return packing.map_shape(input_shape, out, channels)
+
+    def _propagate(self, mean, variance, shared):
+        return packing.pack_map(*conv_moments.upsample_moments(mean, variance, shared, self.size))
+
+    def _sample(self, samples):
+        for axis, times in enumerate(self.size, start=2):
+            if times > 1:
+                samples = ops.repeat(samples, times, axis=axis)
+        return samples
+
+    def get_config(self):
+        config = super().get_config()
+        config["size"] = self.size[0] if self.rank == 1 else self.size
+        if self.rank == 2:
+            config["interpolation"] = self.interpolation
+        return config
+
+
+_UPSAMPLING_DOC = """Nearest-neighbour upsampling of a keras-dvi feature map ({rank}D), arguments as
+    `keras.layers.UpSampling{rank}D`.
+
+    Exact per unit: every unit is repeated `size` times along each spatial axis, each copy with
+    its mean, variance and shared component (`keras_dvi.conv_moments.upsample_moments`). As
+    for every position of a keras-dvi map, the copies' independent parts are taken as
+    independent of each other (they are one unit); a convolution after it sees them as such.
+
+    Args:
+        size: a positive integer{pair}: the upsampling factor (default 2).
+        data_format: `"channels_last"` or `"channels_first"`; `None` (default) is
+            `keras.config.image_data_format()`.{interpolation}
+
+    Input shape:
+        A packed feature map `(batch, 3, {dims}, channels)` from a keras-dvi layer (channels
+        first: `(batch, 3, channels, {dims})`).
+
+    Output shape:
+        Packed, each spatial axis `size` times longer.
+
+    Examples:
+        >>> x = keras_dvi.Conv{rank}DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(inputs)
+        >>> x = keras_dvi.UpSampling{rank}DDVI(2)(x)
+    """
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class UpSampling1DDVI(UpSamplingDVI):
+    __doc__ = _UPSAMPLING_DOC.format(rank=1, pair="", dims="steps", interpolation="")
+    rank = 1
+
+    def __init__(self, size=2, data_format=None, **kwargs):
+        super().__init__(size=size, data_format=data_format, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class UpSampling2DDVI(UpSamplingDVI):
+    __doc__ = _UPSAMPLING_DOC.format(
+        rank=2, pair=" or a tuple of 2 (rows, cols)", dims="rows, cols",
+        interpolation="\n        interpolation: `\"nearest\"` (the default; Keras' other interpolations mix\n"
+                      "            neighbouring units and are refused).")
+    rank = 2
 
 
 _DOC = """{what} of a keras-dvi feature map ({rank}D), arguments as `keras.layers.{keras_name}`.

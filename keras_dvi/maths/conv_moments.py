@@ -49,9 +49,12 @@ re-expresses them as one factor per output channel, below).
 * residual addition (`add_moments`): the two branches are taken to be independent.
 * a map times a per-channel gate (`scale_moments`, squeeze-and-excitation): the map and the
   gate are taken to be independent (the gate is computed from the map's global average).
-* zero padding, cropping, concatenation along channels and a per-channel affine map (batch
-  normalisation with fixed statistics): exact within the representation (`pad_moments`,
-  `crop_moments`, `concatenate_moments`, `channel_affine_moments`).
+* zero padding, cropping, nearest-neighbour upsampling, concatenation along channels and a
+  per-channel affine map (batch normalisation with fixed statistics): exact within the
+  representation (`pad_moments`, `crop_moments`, `upsample_moments`, `concatenate_moments`,
+  `channel_affine_moments`).
+* transposed convolution (`conv_transpose_moments`): the convolution of the input with zeros
+  between its positions, as above.
 """
 
 import functools
@@ -229,6 +232,92 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
     for _ in axes:
         scale = ops.expand_dims(scale, 1)
     return mean_a, var_a, _clip_shared(numerator / scale, var_a)
+
+
+def transpose_pads(kernel_size, strides, padding, output_padding=None, dilation_rate=1):
+    """Keras' transposed convolution (`keras.ops.conv_transpose`) as a convolution: per spatial
+    axis, the `(before, after)` zero padding of the input once `strides - 1` zeros stand between
+    its positions (`dilate`), for a stride-1 `"valid"` convolution with the transposed kernel
+    (`transposed_kernel`). Keras' conventions: `"valid"` gives `(n - 1) s + k` positions (plus
+    `output_padding`, default `max(k, s) - k`), `"same"` `n s` (with `output_padding`:
+    `(n - 1) s + k % 2 + output_padding`), `k` the dilated kernel size."""
+    rank = len(kernel_size)
+    output_padding = (None,) * rank if output_padding is None else _tuple(output_padding, rank)
+    pads = []
+    for k, s, extra, d in zip(kernel_size, _tuple(strides, rank), output_padding, _tuple(dilation_rate, rank)):
+        k = (k - 1) * d + 1
+        if padding == "valid":
+            extra = max(k, s) - k if extra is None else extra
+            pads.append((k - 1, k - 1 + extra))
+        else:
+            total = s + k - 2 if extra is None else k + k % 2 - 2 + extra
+            before = min(total // 2 + total % 2, k - 1)
+            pads.append((before, total - before))
+    return tuple(pads)
+
+
+def dilate(x, strides, pads=None):
+    """`x`, whose spatial axes are the `len(strides)` axes before its last (channels) axis
+    (`(batch, *spatial, channels)`, or samples `(samples, batch, *spatial, channels)`), with
+    `stride - 1` zeros between neighbouring positions along each spatial axis, then zero padded
+    by `pads` (a `(before, after)` pair per spatial axis, or `None`)."""
+    rank = len(strides)
+    first = len(x.shape) - 1 - rank
+    for i, stride in enumerate(strides):
+        if stride == 1:
+            continue
+        axis = first + i
+        shape = ops.shape(x)
+        widths = [(0, 0)] * (len(x.shape) + 1)
+        widths[axis + 1] = (0, stride - 1)
+        x = ops.pad(ops.expand_dims(x, axis + 1), widths)  # (..., n, stride, ...)
+        x = ops.reshape(x, tuple(shape[:axis]) + (shape[axis] * stride,) + tuple(shape[axis + 1:]))
+        x = x[(slice(None),) * axis + (slice(None, 1 - stride),)]  # (n - 1) stride + 1 positions
+    if pads is not None and any(tuple(p) != (0, 0) for p in pads):
+        x = ops.pad(x, [(0, 0)] * first + [tuple(p) for p in pads] + [(0, 0)])
+    return x
+
+
+def transposed_kernel(kernel, rank):
+    """A transposed convolution's kernel `(*kernel_size, filters, in)` (`rank` spatial axes; a
+    leading samples axis may come first) as the kernel of the convolution it equals
+    (`transpose_pads`): flipped along every spatial axis, its last two axes swapped:
+    `(*kernel_size, in, filters)`."""
+    ndim = len(kernel.shape)
+    return ops.swapaxes(ops.flip(kernel, axis=tuple(range(ndim - 2 - rank, ndim - 2))), -1, -2)
+
+
+def conv_transpose_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None, variance=None,
+                           shared=None, strides=1, padding="valid", output_padding=None, dilation_rate=1,
+                           conv_dtype=None):
+    """Moments of `a = conv_transpose(h, W) + b` (Keras' `Conv1DTranspose` / `Conv2DTranspose`,
+    kernel `(*kernel_size, filters, in)`) with factorised Gaussian `W`, `b`.
+
+    A transposed convolution is the stride-1 convolution of the input with `strides - 1` zeros
+    between its positions and padded (`dilate`, `transpose_pads`) with the flipped kernel
+    (`transposed_kernel`), exactly; the zeros are constants (mean, variance and shared
+    component 0). So the moments are `conv_moments`' on that input: each unit's mean and
+    variance exact for the given input moments, the shared components as for a convolution.
+    The convolutions run on the dilated input (`prod(strides)` times the positions).
+
+    Args:
+        mean, variance, shared: as in `conv_moments`.
+        kernel_mean: `(*kernel_size, filters, in)` posterior means (Keras' layout).
+        kernel_variance: posterior variances, the shape of `kernel_mean`.
+        bias_mean, bias_variance: `(filters,)` or `None`.
+        strides, padding, output_padding, dilation_rate: as in `keras.ops.conv_transpose`.
+        conv_dtype: as in `conv_moments`.
+
+    Returns:
+        `(mean_a, variance_a, shared_a)`, each `(batch, *out_spatial, filters)`.
+    """
+    rank = len(mean.shape) - 2
+    strides = _tuple(strides, rank)
+    pads = transpose_pads(tuple(kernel_mean.shape[:-2]), strides, padding, output_padding, dilation_rate)
+    spread = lambda t: None if t is None else dilate(t, strides, pads)  # noqa: E731
+    return conv_moments(spread(mean), transposed_kernel(kernel_mean, rank), transposed_kernel(kernel_variance, rank),
+                        bias_mean, bias_variance, spread(variance), spread(shared), strides=1, padding="valid",
+                        dilation_rate=dilation_rate, conv_dtype=conv_dtype)
 
 
 def _in_dtype(conv, dtype):
@@ -554,6 +643,21 @@ def crop_moments(mean, variance, shared, crops):
     return tuple(t[index] for t in (mean, variance, shared))
 
 
+def upsample_moments(mean, variance, shared, size):
+    """Nearest-neighbour upsampling (`keras.layers.UpSampling*D`): every unit repeated
+    `size[i]` times along spatial axis `i`; each copy keeps the unit's mean, variance and shared
+    component (exact per unit; like every position of a map, the copies' independent parts are
+    taken as independent). Returns `(mean, variance, shared)`."""
+
+    def repeat(x):
+        for axis, times in enumerate(size, start=1):
+            if times > 1:
+                x = ops.repeat(x, times, axis=axis)
+        return x
+
+    return repeat(mean), repeat(variance), repeat(shared)
+
+
 def concatenate_moments(maps):
     """Concatenation along the channel axis of feature maps `[(mean, variance, shared), ...]`
     of the same spatial shape: exact within the representation (each channel keeps its own
@@ -609,3 +713,15 @@ def sampled_conv(inputs, kernels, bias=None, strides=1, padding="valid", dilatio
     if bias is not None:
         out = out + ops.reshape(bias, (samples, 1) + (1,) * rank + (filters,))
     return out
+
+
+def sampled_conv_transpose(inputs, kernels, bias=None, strides=1, padding="valid", output_padding=None,
+                           dilation_rate=1):
+    """`conv_transpose(h_s, W_s) + b_s` for every sample `s` at once (as `sampled_conv`):
+    `inputs` `(samples, batch, *spatial, in)`, `kernels` `(samples, *kernel_size, filters, in)`,
+    `bias` `(samples, filters)` or `None`; returns `(samples, batch, *out_spatial, filters)`."""
+    rank = len(kernels.shape) - 3
+    strides = _tuple(strides, rank)
+    pads = transpose_pads(tuple(kernels.shape[1:-2]), strides, padding, output_padding, dilation_rate)
+    return sampled_conv(dilate(inputs, strides, pads), transposed_kernel(kernels, rank), bias, strides=1,
+                        padding="valid", dilation_rate=dilation_rate)
