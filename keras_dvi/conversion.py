@@ -7,7 +7,7 @@ import keras
 import numpy as np
 
 from keras_dvi import layers as dvi
-from keras_dvi import losses, metrics, validation
+from keras_dvi import losses, metrics, packing, validation
 from keras_dvi.maths import moments
 
 #: Plain layers and their keras-dvi counterparts (layers without weights).
@@ -945,6 +945,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             "with last_layers=k (the backbone then stays plain); to fit every posterior, set "
             "`trainable = True` on the converted model.",
             stacklevel=2)
+    if first_format == "channels_first" and any(packing.is_map(tuple(t.shape)) for t in keras.tree.flatten(converted.outputs)):
+        raise ValueError(
+            "keras_dvi.convert: the model predicts a channels-first feature map (a dense prediction: segmentation, "
+            "per-pixel regression). keras-dvi's losses and predictions read a dense prediction's classes or targets "
+            "on the last axis: build the plain model channels last (data_format='channels_last'), or convert only "
+            "a head that ends in vectors (`last_layers=k`).")
     _copy_weights(kept)
     return _compiled(converted, model, tasks, plain_losses)
 

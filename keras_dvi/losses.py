@@ -48,6 +48,17 @@ def _positions(y_pred):
     return ops.cast(ops.prod(ops.shape(y_pred)[2:-1]), "float32")
 
 
+def _per_position(y_true, y_pred, name, targets):
+    """`packing.per_position` for a loss: `(y_true, y_pred, finish)`, `finish(nll)` the loss per
+    position times the positions of an example (`_positions`), or `nll` itself for any other
+    output."""
+    positions = _positions(y_pred)
+    y_true, y_pred, restore = packing.per_position(y_true, y_pred, name, targets)
+    if restore is None:
+        return y_true, y_pred, lambda nll: nll
+    return y_true, y_pred, lambda nll: restore(nll) * ops.cast(positions, nll.dtype)
+
+
 class _ValidatingLoss(keras.losses.Loss):
     """Base of the keras-dvi losses: the `validate` flag and its config entry, and the report of
     the step's `nll` (`__call__`)."""
@@ -140,8 +151,8 @@ class HeteroscedasticELL(_ValidatingLoss):
     full-covariance output (`DenseDVI`) the `m`-`l` covariance `S_ml` is used; a diagonal
     output (`DenseDiagDVI`) has none, so `S_ml = 0` is assumed there: use a `DenseDVI` head.
 
-    A dense prediction (the output a feature map with `2 D` channels: a per-pixel regression)
-    is scored at every position against targets `(batch, *spatial, D)` (or `(batch, *spatial)`
+    A dense prediction (the output a channels-last feature map with `2 D` channels: a per-pixel
+    regression) is scored at every position against targets `(batch, *spatial, D)` (or `(batch, *spatial)`
     for `D = 1`); an example's loss is the sum over its positions (conditionally independent
     given the weights, so the prior's `num_train` counts images), returned per position as the
     position's value times the number of positions, so that Keras' mean over the batch and the
@@ -162,8 +173,8 @@ class HeteroscedasticELL(_ValidatingLoss):
         super().__init__(validate=validate, reduction=reduction, name=name, dtype=dtype)
 
     def call(self, y_true, y_pred):
-        units, y_pred_map = y_pred.shape[-1], y_pred
-        y_true, y_pred, restore = packing.per_position(y_true, y_pred, "HeteroscedasticELL", (units or 0) // 2)
+        units = y_pred.shape[-1]
+        y_true, y_pred, finish = _per_position(y_true, y_pred, "HeteroscedasticELL", (units or 0) // 2)
         mean, second = _moments(y_pred, "HeteroscedasticELL", "SampledHeteroscedasticELL")
         if units is None or units % 2:
             raise ValueError(
@@ -185,7 +196,7 @@ class HeteroscedasticELL(_ValidatingLoss):
         s_mm, s_ll = variance[:, :dims], variance[:, dims:]
         precision = moments.safe_exp(0.5 * s_ll - log_var)
         nll = ops.sum(0.5 * (_LOG_2PI + log_var + (s_mm + ops.square(m - cross - y)) * precision), axis=-1)
-        return nll if restore is None else restore(nll) * ops.cast(_positions(y_pred_map), nll.dtype)
+        return finish(nll)
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -217,8 +228,8 @@ class SoftmaxDeltaELL(_ClassificationLoss):
     shape `(batch,)` or `(batch, 1)` is the probability of class 1, as Keras' binary
     cross-entropy reads it: 0 or 1, or a soft label such as 0.9.
 
-    A dense prediction (segmentation: the output a feature map with `C` channels) is scored at
-    every position, with labels `(batch, *spatial)`, `(batch, *spatial, 1)` or one-hot
+    A dense prediction (segmentation: the output a channels-last feature map with `C` channels)
+    is scored at every position, with labels `(batch, *spatial)`, `(batch, *spatial, 1)` or one-hot
     `(batch, *spatial, C)` (two classes: a mask of class-1 probabilities); an example's loss is
     the sum over its positions, as in `HeteroscedasticELL`, so that the prior's `num_train`
     counts images and the logged `nll` is per image.
@@ -247,8 +258,7 @@ class SoftmaxDeltaELL(_ClassificationLoss):
         self.method = method
 
     def call(self, y_true, y_pred):
-        y_pred_map = y_pred
-        y_true, y_pred, restore = packing.per_position(y_true, y_pred, "SoftmaxDeltaELL", y_pred.shape[-1])
+        y_true, y_pred, finish = _per_position(y_true, y_pred, "SoftmaxDeltaELL", y_pred.shape[-1])
         mean, second = _moments(y_pred, "SoftmaxDeltaELL", "SampledSoftmaxELL")
         classes = mean.shape[-1]
         if classes is None or classes < 2:
@@ -272,8 +282,7 @@ class SoftmaxDeltaELL(_ClassificationLoss):
                 quadratic = ops.sum(ops.square(p) * variance, axis=-1)
             correction = 0.5 * (ops.sum(p * variance, axis=-1) - quadratic)
             ell = log_p - correction[:, None]
-        nll = validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels)
-        return nll if restore is None else restore(nll) * ops.cast(_positions(y_pred_map), nll.dtype)
+        return finish(validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels))
 
     def probabilities(self, y_pred):
         if packing.is_map(y_pred.shape):  # a dense prediction: one row per position

@@ -353,6 +353,19 @@ def test_binary_segmentation_and_per_pixel_regression_convert():
     assert sorted(history) == ["kl", "loss", "nll", "predictive_mse"]
 
 
+def test_a_channels_first_dense_prediction_is_refused_by_name():
+    """The losses and predictions read a dense prediction's classes on the last axis: a
+    channels-first segmentation network is refused, not converted into a model whose loss
+    would read its columns as classes."""
+    layers = keras.layers
+    inputs = keras.Input((1, 8, 8))
+    h = layers.Conv2D(4, 3, padding="same", activation="relu", data_format="channels_first")(inputs)
+    plain = keras.Model(inputs, layers.Conv2D(3, 1, activation="softmax", data_format="channels_first")(h))
+    plain.compile("adam", "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="channels-first feature map.*last axis"):
+        kd.convert(plain)
+
+
 def test_bilinear_upsampling_is_refused_by_name():
     inputs = keras.Input((8, 8, 1))
     h = keras.layers.UpSampling2D(2, interpolation="bilinear")(keras.layers.Conv2D(2, 3)(inputs))

@@ -107,10 +107,7 @@ class UpSamplingDVI(MapLayer):
         return packing.pack_map(*conv_moments.upsample_moments(mean, variance, shared, self.size))
 
     def _sample(self, samples):
-        for axis, times in enumerate(self.size, start=2):
-            if times > 1:
-                samples = ops.repeat(samples, times, axis=axis)
-        return samples
+        return conv_moments.upsample(samples, self.size)
 
     def get_config(self):
         config = super().get_config()

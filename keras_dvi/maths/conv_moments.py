@@ -643,19 +643,22 @@ def crop_moments(mean, variance, shared, crops):
     return tuple(t[index] for t in (mean, variance, shared))
 
 
+def upsample(x, size):
+    """`x`, whose spatial axes are the `len(size)` axes before its last (channels) axis (a map,
+    or samples of one), with every position repeated `size[i]` times along spatial axis `i`:
+    `keras.layers.UpSampling*D` (nearest neighbour)."""
+    first = len(x.shape) - 1 - len(size)
+    for i, times in enumerate(size):
+        if times > 1:
+            x = ops.repeat(x, times, axis=first + i)
+    return x
+
+
 def upsample_moments(mean, variance, shared, size):
-    """Nearest-neighbour upsampling (`keras.layers.UpSampling*D`): every unit repeated
-    `size[i]` times along spatial axis `i`; each copy keeps the unit's mean, variance and shared
-    component (exact per unit; like every position of a map, the copies' independent parts are
-    taken as independent). Returns `(mean, variance, shared)`."""
-
-    def repeat(x):
-        for axis, times in enumerate(size, start=1):
-            if times > 1:
-                x = ops.repeat(x, times, axis=axis)
-        return x
-
-    return repeat(mean), repeat(variance), repeat(shared)
+    """Nearest-neighbour upsampling (`upsample`): each copy of a unit keeps its mean, variance
+    and shared component (exact per unit; like every position of a map, the copies'
+    independent parts are taken as independent). Returns `(mean, variance, shared)`."""
+    return upsample(mean, size), upsample(variance, size), upsample(shared, size)
 
 
 def concatenate_moments(maps):
