@@ -555,13 +555,19 @@ def _is_loss(loss, kinds, names):
     return isinstance(loss, kinds) or (loss if isinstance(loss, str) else getattr(loss, "__name__", None)) in names
 
 
+def _output_keys(model):
+    """The keys of a model's outputs in the order of its flattened outputs: a dict's sorted
+    keys, else `model.output_names`."""
+    structure = model.output
+    return [str(key) for key in sorted(structure)] if isinstance(structure, dict) else list(model.output_names)
+
+
 def _output_losses(model, count):
     """The plain model's compiled loss of each of its `count` outputs (in `model.outputs`'
     order; `None` where it has none): one loss for every output, or a list or dict of them."""
     loss = getattr(model, "loss", None)
     if isinstance(loss, dict):
-        structure = model.output
-        keys = sorted(structure) if isinstance(structure, dict) else list(getattr(model, "output_names", []))
+        keys = _output_keys(model)
         return [loss.get(key) for key in keys] + [None] * (count - len(keys))
     if isinstance(loss, (list, tuple)):
         return list(loss)[:count] + [None] * (count - len(loss))
@@ -580,9 +586,7 @@ def _output_tasks(model, graph, heads):
     plain_losses = _output_losses(model, len(graph.output_layers))
     tasks = []
     for layer, head, loss in zip(graph.output_layers, heads, plain_losses):
-        output = keras.tree.flatten(layer.output)[0]
-        channels_first = getattr(head, "data_format", None) == "channels_first" and len(output.shape) > 2
-        units = output.shape[1 if channels_first else -1]
+        units = keras.tree.flatten(layer.output)[0].shape[-1]  # (channels-first dense predictions are refused)
         activations = {_activation_of(layer), _activation_of(head) if _is_weight_layer(head) else None}
         if units == 1 and ("sigmoid" in activations or _is_loss(loss, _BINARY_LOSSES, _BINARY_LOSS_NAMES)):
             tasks.append(BINARY)
@@ -1012,12 +1016,7 @@ def _compiled(converted, model, tasks, plain_losses):
 def _output_names(converted, count):
     """A name for each of the `count` outputs of a converted model, in its outputs' order (a
     regression's noise layer takes it)."""
-    if count == 1:
-        return [converted.name]
-    structure = converted.output
-    if isinstance(structure, dict):
-        return [str(key) for key in sorted(structure)]
-    return list(converted.output_names)
+    return [converted.name] if count == 1 else _output_keys(converted)
 
 
 #: The plain model's metrics that `convert` carries, by name (`compile(metrics=[...])`): their

@@ -85,7 +85,8 @@ class _ValidatingLoss(keras.losses.Loss):
             unweighted = reported
             if sample_weight is not None or self.reduction != "sum_over_batch_size":
                 unweighted = ops.mean(self.call(ops.convert_to_tensor(y_true), ops.convert_to_tensor(y_pred)))
-            unweighted = unweighted / _positions(y_pred)  # (per pixel of a dense prediction: against log C)
+            if packing.is_map(y_pred.shape):  # per pixel of a dense prediction, against log C
+                unweighted = unweighted / _positions(y_pred)
         objective.report_nll(reported, probabilities, unweighted)
         return loss
 
@@ -285,9 +286,8 @@ class SoftmaxDeltaELL(_ClassificationLoss):
         return finish(validation.poison_unlabelled(-ops.sum(labels * ell, axis=-1), labels))
 
     def probabilities(self, y_pred):
-        if packing.is_map(y_pred.shape):  # a dense prediction: one row per position
-            y_pred = packing.positions_as_rows(y_pred)[0]
-        return ops.softmax(packing.unpack(y_pred)[0], axis=-1)
+        mean = packing.unpack(y_pred)[0]  # (a dense prediction's: a row per position)
+        return ops.softmax(ops.reshape(mean, (-1, mean.shape[-1])), axis=-1)
 
     def get_config(self):
         config = super().get_config()

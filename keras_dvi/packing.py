@@ -291,6 +291,11 @@ def producer_of(tensor):
     return getattr(tensor, PRODUCER, None)
 
 
+#: The attribute of a symbolic data tensor naming the first keras-dvi layer that reads it (heads
+#: of separate outputs reading the same data share its tracker: `keras_dvi.layers.kl_term`).
+DATA_READER = "keras_dvi_data_reader"
+
+
 #: The attribute of a symbolic tensor counting the inducing rows that `InducingInputs` put
 #: before its batch (so that the first layer checks `num_train` against the data rows only).
 INDUCING_ROWS = "keras_dvi_inducing_rows"

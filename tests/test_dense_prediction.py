@@ -50,13 +50,13 @@ def test_transposed_moments_at_zero_variance_are_keras_conv_transpose():
             continue
         mean, variance, shared = (to_numpy(t) for t in conv_moments.conv_transpose_moments(
             ops.convert_to_tensor(x), kernel, np.zeros_like(kernel), **arguments))
-        np.testing.assert_allclose(mean, expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(mean, expected, rtol=1e-5, atol=2e-5)  # (measured: within 3.3e-6)
         assert np.all(variance == 0) and np.all(shared == 0)
         layer = kd.Conv2DTransposeDVI(4, k, **arguments) if rank == 2 else kd.Conv1DTransposeDVI(4, k, **arguments)
         assert layer.compute_output_shape(x.shape)[2:] == expected.shape[1:]
         samples = to_numpy(conv_moments.sampled_conv_transpose(
             ops.convert_to_tensor(np.stack([x, x])), np.stack([kernel, 0.5 * kernel]), None, **arguments))
-        np.testing.assert_allclose(samples[1], 0.5 * expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(samples[1], 0.5 * expected, rtol=1e-5, atol=2e-5)
         checked += 1
     assert checked >= 100
 
@@ -309,6 +309,10 @@ def test_a_unet_converts_whole_and_computes_the_plain_segmentation():
         history = bayesian.fit(x, y, epochs=2, batch_size=4, verbose=0).history
     assert sorted(history) == ["kl", "loss", "mean_logit_accuracy", "nll"]
     assert np.all(np.isfinite(history["loss"])) and np.all(np.array(history["kl"]) > 0)
+    # the collapse check compares the nll per pixel (the logged nll is per image) with log C
+    tracker = next(layer.elbo_tracker for layer in bayesian.layers if getattr(layer, "elbo_tracker", None))
+    totals = dict(zip(tracker.FIELDS, to_numpy(tracker.totals)))
+    assert totals["classified_nll"] / totals["classified_steps"] == pytest.approx(history["nll"][-1] / 256, rel=1e-5)
     assert np.all(np.isfinite(kd.predict(bayesian, x, probability_method="probit")["probabilities"]))
 
 

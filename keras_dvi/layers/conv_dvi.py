@@ -112,13 +112,12 @@ class ConvArguments:
         window = math.prod(self.kernel_size) * channels
         return max(1, round(window / math.prod(self.strides))) if self.transpose else window
 
-    def moments(self, *args, **kwargs):
-        """`keras_dvi.conv_moments.conv_moments` (transposed: `conv_transpose_moments`) with
-        this convolution's window."""
+    def moments(self, *args, depthwise=False, **kwargs):
+        """`keras_dvi.conv_moments.conv_moments` (transposed: `conv_transpose_moments`, never
+        depthwise) with this convolution's window."""
         if self.transpose:
-            kwargs.pop("depthwise", None)
             return conv_moments.conv_transpose_moments(*args, **kwargs, **self.window())
-        return conv_moments.conv_moments(*args, **kwargs, **self.window())
+        return conv_moments.conv_moments(*args, depthwise=depthwise, **kwargs, **self.window())
 
     def sampled(self, inputs, kernels, bias, depthwise=False):
         """This convolution of samples, one kernel per sample (`conv_moments.sampled_conv`,

@@ -22,10 +22,7 @@ import keras
 from keras import ops
 
 from keras_dvi import elbo_tracker, objective, priors, validation
-from keras_dvi.packing import producer_of
-
-#: The attribute of a symbolic data tensor naming the first keras-dvi layer that reads it.
-DATA_READER = "_keras_dvi_data_reader"
+from keras_dvi.packing import DATA_READER, producer_of
 
 #: Names of the schedule's variables (saved with the model, in this order after the layer's
 #: own): the training steps taken, and the length of an `"auto"` warm-up (0: not planned yet).
