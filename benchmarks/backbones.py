@@ -4,6 +4,7 @@ layer and the whole network converted.
 
     python -m benchmarks.backbones --data ../shared/data/mnist.npz                  # ResNet-20, 3 seeds
     python -m benchmarks.backbones --data ../shared/data/mnist.npz --networks mobilenetv2
+    python -m benchmarks.backbones --data ../shared/data/mnist.npz --networks convnext --seeds 0 1
     python -m benchmarks.backbones --data ../shared/data/mnist.npz --validation     # choosing recipes
 
 Protocol (fixed before any test score was seen; `benchmarks/images.py`'s shifts and metrics):
@@ -19,7 +20,10 @@ Protocol (fixed before any test score was seen; `benchmarks/images.py`'s shifts 
   0.99, the ResNet-20's (changed after the first plain MobileNetV2: with keras.applications'
   0.999 the moving statistics of a 938-step training stay near their initial values, and the
   trained network classified its own training rows at chance in inference mode, 0.086, against
-  0.954 with batch statistics).
+  0.954 with batch statistics). Added later, with its protocol fixed before any result:
+  `convnext`, a small ConvNeXt (`convnext`: keras.applications' ConvNeXt blocks at widths
+  32, 64, 128, with 1, 1, 2 blocks; layer normalisation, no batch normalisation; MC dropout
+  before its dense layer, as the MobileNetV2's).
 * training: Adam 1e-3, batches of 128, `--epochs` (default 2: 938 steps) for every plain
   network, sparse categorical cross-entropy.
 * methods:
@@ -74,7 +78,10 @@ from benchmarks import cache
 from benchmarks.classification import auroc, scores
 from benchmarks.images import NOISE_SDS, ROTATIONS, VALIDATION_ROWS, add_noise, load_mnist, rotate
 
-NETWORKS = ("resnet20", "mobilenetv2")
+NETWORKS = ("resnet20", "mobilenetv2", "convnext")
+#: The small ConvNeXt: `(channels, blocks)` of each stage, after a 4x4 patchifying stem
+#: (32x32 -> 8x8 -> 4x4 -> 2x2).
+CONVNEXT_STAGES = ((32, 1), (64, 1), (128, 2))
 #: The batch-normalisation momentum of the MobileNetV2 (keras.applications builds it with 0.999).
 BATCH_NORM_MOMENTUM = 0.99
 METHODS = ("plain", "ensemble", "dropout", "plain_finetuned", "last_layer", "converted")
@@ -118,11 +125,53 @@ def _monte_carlo_dropout(rate):
     return MonteCarloDropout(rate)
 
 
+def _layer_scale(channels):
+    """keras.applications' ConvNeXt `LayerScale` (private there): `x * gamma`, `gamma` 1e-6 at first."""
+    import keras
+
+    class LayerScale(keras.layers.Layer):
+        def build(self, _):
+            self.gamma = self.add_weight(shape=(channels,), initializer=keras.initializers.Constant(1e-6))
+
+        def call(self, x):
+            return x * self.gamma
+
+    return LayerScale()
+
+
+def convnext(input_shape=(32, 32, 1), dropout=0.0):
+    """A small ConvNeXt (Liu et al., 2022), built as `keras.applications.ConvNeXtTiny` is (its
+    blocks: a 7x7 depthwise convolution written as a `Conv2D` with one group per channel, layer
+    normalisation, a 4x pointwise expansion with GELU, a projection, a layer scale, a residual
+    sum `x + y`; layer normalisation and a 2x2 stride-2 convolution between stages; global
+    pooling, layer normalisation, dense head) at `CONVNEXT_STAGES`' widths, logits out."""
+    import keras
+
+    layers = keras.layers
+    inputs = keras.Input(input_shape)
+    h = layers.LayerNormalization(epsilon=1e-6)(layers.Conv2D(CONVNEXT_STAGES[0][0], 4, strides=4)(inputs))
+    for stage, (channels, blocks) in enumerate(CONVNEXT_STAGES):
+        if stage:
+            h = layers.Conv2D(channels, 2, strides=2)(layers.LayerNormalization(epsilon=1e-6)(h))
+        for _ in range(blocks):
+            branch = layers.Conv2D(channels, 7, padding="same", groups=channels)(h)
+            branch = layers.LayerNormalization(epsilon=1e-6)(branch)
+            branch = layers.Dense(4 * channels, activation="gelu")(branch)
+            h = h + _layer_scale(channels)(layers.Dense(channels)(branch))
+    h = layers.LayerNormalization(epsilon=1e-6)(layers.GlobalAveragePooling2D()(h))
+    if dropout:
+        h = _monte_carlo_dropout(dropout)(h)
+    return keras.Model(inputs, layers.Dense(NUM_CLASSES)(h))
+
+
 def network(name, dropout=0.0):
     """The plain Keras network, compiled: Adam 1e-3, sparse categorical cross-entropy."""
     import keras
 
-    if name == "resnet20":
+    if name == "convnext":
+        model = convnext(dropout=dropout)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    elif name == "resnet20":
         from benchmarks.conv_speed import resnet20
 
         model = resnet20((32, 32, 1), dropout=dropout, dropout_layer=_monte_carlo_dropout)

@@ -11,7 +11,7 @@ networks without gradients. The public API, by topic:
   `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
   `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
-  `BatchNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
+  `BatchNormalizationDVI`, `LayerNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`, `UpSampling1DDVI`, `UpSampling2DDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
@@ -67,6 +67,7 @@ _EXPORTS = {
     "MultiplyDVI": "keras_dvi.layers",
     "ConcatenateDVI": "keras_dvi.layers",
     "BatchNormalizationDVI": "keras_dvi.layers",
+    "LayerNormalizationDVI": "keras_dvi.layers",
     "ZeroPadding1DDVI": "keras_dvi.layers",
     "ZeroPadding2DDVI": "keras_dvi.layers",
     "Cropping1DDVI": "keras_dvi.layers",

@@ -45,8 +45,8 @@ _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, kera
 #: Layers with no accurate Gaussian moment rule (and their subclasses: LSTM, GRU, ...), and why:
 #: `convert` refuses them with the reason.
 _NO_GAUSSIAN_RULE = {
-    (keras.layers.LayerNormalization, keras.layers.GroupNormalization, keras.layers.UnitNormalization):
-        "it divides each unit by a statistic of the layer's own random input",
+    (keras.layers.GroupNormalization, keras.layers.UnitNormalization):
+        "it divides each unit by a statistic of a few units of the layer's own random input",
     (keras.layers.MultiHeadAttention, keras.layers.Attention):
         "it multiplies random features by a softmax of products or sums of random features",
     (keras.layers.RNN,): "it feeds its random state back through a nonlinearity at every step",
@@ -140,8 +140,10 @@ def _inlined(model):
     copies = []  # (layer, its copy): the weights are copied once the copies are built
 
     def copy(layer):
-        if _inlinable(layer) or _is_operation(layer):
-            return layer  # (inlined when called; an operation such as `x + 3.0` is stateless)
+        if _inlinable(layer):
+            return layer  # (inlined when called)
+        if _is_operation(layer):  # (`x + 3.0`: stateless, but its `input` must be this graph's tensors)
+            return type(layer).from_config(layer.get_config())
         duplicate = layer.__class__.from_config(layer.get_config())
         copies.append((layer, duplicate))
         return duplicate
@@ -223,8 +225,9 @@ def _on_channels(layer, axis, data_format):
 
 
 def _normalises_channels(batch_norm, producer):
-    """Whether a batch normalisation's axis is the channel axis of the layer feeding it."""
-    return _on_channels(batch_norm, batch_norm.axis, getattr(producer, "data_format", "channels_last"))
+    """Whether a batch normalisation's axis (a layer scale's: the last) is the channel axis of
+    the layer feeding it."""
+    return _on_channels(batch_norm, getattr(batch_norm, "axis", -1), getattr(producer, "data_format", "channels_last"))
 
 
 def _map_format(graph):
@@ -290,6 +293,33 @@ def _sums_of_twins(converted):
     return [layer for layer in graph.layers if isinstance(layer, dvi.AddDVI) and twins(graph.producers[id(layer)])]
 
 
+def _is_grouped_depthwise(layer):
+    """Whether `layer` is a `Conv2D` with one group per input channel: a depthwise convolution
+    (each group's filters read one channel; output `c * multiplier + j`, as `DepthwiseConv2D`'s)."""
+    return (isinstance(layer, keras.layers.Conv2D) and not isinstance(layer, _TRANSPOSED)
+            and getattr(layer, "groups", 1) > 1 and int(layer.kernel.shape[-2]) == 1)
+
+
+def _channel_scale(layer):
+    """The weight vector of a layer that multiplies its input's last axis by its only weight
+    (ConvNeXt's `LayerScale`, whose class `keras.applications` keeps private), checked on a
+    random input; `None` for any other layer."""
+    if (not isinstance(layer, keras.layers.Layer) or type(layer).__module__.startswith("keras.src.layers")
+            or isinstance(layer, (keras.Model, keras.layers.InputLayer))
+            or len(layer.weights) != 1 or not isinstance(layer.input, keras.KerasTensor)):
+        return None
+    shape = tuple(layer.input.shape)
+    weight = keras.ops.convert_to_numpy(layer.weights[0]).astype("float64")
+    if weight.shape != shape[-1:] or any(size is None for size in shape[1:]):
+        return None
+    probe = np.random.default_rng(0).normal(size=(2,) + shape[1:]).astype(layer.input.dtype)
+    try:
+        out = keras.ops.convert_to_numpy(layer(probe, training=False))
+    except Exception:  # noqa: BLE001 - any layer that cannot run on the probe is no scale
+        return None
+    return weight if out.shape == probe.shape and np.allclose(out, probe * weight, rtol=1e-5, atol=1e-6) else None
+
+
 def _is_weight_layer(layer):
     return isinstance(layer, (keras.layers.Dense, keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D, *_CONV))
 
@@ -309,6 +339,19 @@ def _plain_parts(layer, on_vector):
         dense.set_weights([kernel.reshape(kernel.shape[-2:])] + ([keras.ops.convert_to_numpy(layer.bias)]
                                                                  if layer.use_bias else []))
         return [dense]
+    if _is_grouped_depthwise(layer):  # Conv2D(groups=channels): ConvNeXt's depthwise convolution
+        kernel = keras.ops.convert_to_numpy(layer.kernel)  # (*kernel_size, 1, channels * multiplier)
+        channels = layer.groups
+        depthwise = keras.layers.DepthwiseConv2D(
+            layer.kernel_size, strides=layer.strides, padding=layer.padding,
+            depth_multiplier=layer.filters // channels, data_format=layer.data_format,
+            dilation_rate=layer.dilation_rate, activation=layer.activation, use_bias=layer.use_bias,
+            name=layer.name, dtype=layer.dtype_policy)
+        depthwise.build((None, channels, None, None) if layer.data_format == "channels_first"
+                        else (None, None, None, channels))
+        depthwise.set_weights([kernel.reshape(kernel.shape[:2] + (channels, layer.filters // channels))]
+                              + ([keras.ops.convert_to_numpy(layer.bias)] if layer.use_bias else []))
+        return [depthwise]
     if not isinstance(layer, keras.layers.SeparableConv2D):
         return [layer]
     channels = int(layer.depthwise_kernel.shape[-2])
@@ -360,6 +403,26 @@ def _is_operation(node):
     return not isinstance(node, keras.layers.Layer)
 
 
+def _is_tensor_sum(node):
+    """Whether a node of the graph is an operation that adds two tensors of one shape (a
+    residual sum written `x + y`, as ConvNeXt's): checked numerically, through public API only
+    (the node as a `keras.Model` of its two inputs), on random inputs."""
+    if not _is_operation(node):
+        return False
+    inputs = keras.tree.flatten(node.input)
+    if (len(inputs) != 2 or not all(isinstance(t, keras.KerasTensor) for t in inputs)
+            or tuple(inputs[0].shape) != tuple(inputs[1].shape) or any(d is None for d in inputs[0].shape[1:])):
+        return False
+    try:
+        part = keras.Model(inputs, node.output)
+    except (ValueError, TypeError, AttributeError):
+        return False
+    rng = np.random.default_rng(0)
+    a, b = (rng.normal(size=(2,) + tuple(inputs[0].shape[1:])).astype("float32") for _ in range(2))
+    out = keras.ops.convert_to_numpy(part([a, b]))
+    return out.shape == a.shape and np.allclose(out, a + b, rtol=1e-6, atol=1e-6)
+
+
 def _operation_refused(operation):
     """The `ValueError` of an operation on tensors that `convert` cannot carry."""
     return ValueError(
@@ -401,8 +464,11 @@ def _elementwise_activation(start, end):
 
 def _takes_activation(layer):
     """Whether an activation after `layer` folds into it: a `Dense`, a convolution, a max
-    pooling or an `Add` (keras-dvi's counterparts apply their own `activation`)."""
-    return _is_weight_layer(layer) or isinstance(layer, (*_MAX_POOLING, keras.layers.Add))
+    pooling, an `Add` or a layer normalisation (keras-dvi's counterparts apply their own
+    `activation`)."""
+    return (_is_weight_layer(layer) or isinstance(layer, (*_MAX_POOLING, keras.layers.Add,
+                                                          keras.layers.LayerNormalization))
+            or _is_tensor_sum(layer))
 
 
 def _operation_activations(graph, plain):
@@ -453,13 +519,14 @@ def _plan(graph):
     for key, (name, chain) in _operation_activations(graph, plain).items():
         activation[key] = name
         identity |= {id(node) for node in chain}
+    scales = {id(layer) for layer in graph.layers if id(layer) not in plain and _channel_scale(layer) is not None}
     for layer in graph.layers:
         if id(layer) in plain or id(layer) in identity:
             continue
         if _takes_activation(layer):
             activation.setdefault(id(layer), _activation_of(layer) if _is_weight_layer(layer) else "linear")
-        if isinstance(layer, (keras.layers.BatchNormalization, *_ACTIVATION_LAYERS)):
-            batch_norm = isinstance(layer, keras.layers.BatchNormalization)
+        if isinstance(layer, (keras.layers.BatchNormalization, *_ACTIVATION_LAYERS)) or id(layer) in scales:
+            batch_norm = not isinstance(layer, _ACTIVATION_LAYERS)  # (an affine map per channel: folds)
             name = None if batch_norm else _activation_of(layer)
             if name == "softmax" and id(layer) in graph.outputs:
                 identity.add(id(layer))  # keras-dvi outputs logits; SoftmaxDeltaELL applies the softmax
@@ -469,6 +536,12 @@ def _plan(graph):
                         and graph.only_reader(producer) is reader
                         and (_is_weight_layer(producer) and _normalises_channels(layer, producer) if batch_norm
                              else name not in (None, "softmax")))
+            if id(layer) in scales and not foldable:
+                raise ValueError(
+                    f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) multiplies each channel by a "
+                    "weight (a layer scale); it can be folded only into a linear Dense or channels-last "
+                    "convolution that feeds it alone. To keep the layers up to it plain, convert only the layers "
+                    "after it (`last_layers=k`).")
             if batch_norm and not foldable and _normalises_map_channels(layer, graph):
                 activation[id(layer)] = "linear"  # a BatchNormalizationDVI
                 continue
@@ -630,19 +703,29 @@ def _binary_logits(layer, kernel, bias):
     return two
 
 
+def _channel_affine(layer):
+    """`(scale, offset)` of the per-channel map `y = scale x + offset` that a batch normalisation
+    computes at inference, or a layer scale (`_channel_scale`; offset 0)."""
+    if not isinstance(layer, keras.layers.BatchNormalization):
+        return _channel_scale(layer), 0.0
+    get = lambda v, default: default if v is None else keras.ops.convert_to_numpy(v).astype("float64")  # noqa: E731
+    channels = int(layer.moving_mean.shape[0])
+    gamma = get(layer.gamma, np.ones(channels))
+    beta = get(layer.beta, np.zeros(channels))
+    mean, variance = get(layer.moving_mean, None), get(layer.moving_variance, None)
+    scale = gamma / np.sqrt(variance + layer.epsilon)
+    return scale, beta - mean * scale
+
+
 def _folded_weights(layer, batch_norm):
-    """The kernel and bias of `layer` with the inference-time batch normalisation after it folded in."""
+    """The kernel and bias of `layer` with the inference-time batch normalisation (or layer
+    scale) after it folded in."""
     kernel = keras.ops.convert_to_numpy(layer.kernel).astype("float64")
     bias = keras.ops.convert_to_numpy(layer.bias).astype("float64") if layer.use_bias else 0.0
     if batch_norm is None:
         return kernel, (bias if layer.use_bias else None)
-    get = lambda v, default: default if v is None else keras.ops.convert_to_numpy(v).astype("float64")  # noqa: E731
-    channels = int(batch_norm.moving_mean.shape[0])
-    gamma = get(batch_norm.gamma, np.ones(channels))
-    beta = get(batch_norm.beta, np.zeros(channels))
-    mean, variance = get(batch_norm.moving_mean, None), get(batch_norm.moving_variance, None)
-    scale = gamma / np.sqrt(variance + batch_norm.epsilon)
-    shift = (bias - mean) * scale + beta
+    scale, offset = _channel_affine(batch_norm)
+    shift = np.broadcast_to(bias * scale + offset, np.shape(scale)).copy()
     if isinstance(layer, keras.layers.DepthwiseConv2D):  # output channel c * multiplier + j
         scale = scale.reshape(kernel.shape[-2:])
     elif isinstance(layer, _TRANSPOSED):  # kernel (*kernel_size, filters, in)
@@ -673,12 +756,13 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `Dense` | `DenseDiagDVI` (hidden layers; `hidden_covariance="full"`: `DenseDVI`), `DenseDVI` (model outputs) |
     | `Dense` on a sequence or an image | `Conv1DDVI` of kernel size 1, 1x1 `Conv2DDVI` (the same function) |
     | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
-    | `DepthwiseConv2D` | `DepthwiseConv2DDVI` |
+    | `DepthwiseConv2D`, a `Conv2D` with one group per input channel (ConvNeXt's) | `DepthwiseConv2DDVI` |
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `GlobalMaxPooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `Conv1DTranspose`, `Conv2DTranspose` | `Conv1DTransposeDVI`, `Conv2DTransposeDVI` |
     | `ZeroPadding*D`, `Cropping*D`, `UpSampling*D` (nearest), `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `UpSampling*DDVI`, `ConcatenateDVI` |
     | `Add` of vectors (residual MLPs), `Concatenate` of vectors and inputs (wide and deep) | `AddDVI`, `ConcatenateDVI` |
+    | a sum of two tensors written `x + y` (ConvNeXt's residual sums) | `AddDVI` |
     | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
     | `Activation`, `ReLU`, `LeakyReLU` after a layer that feeds it alone | folded into that layer |
     | operations on tensors after a layer that feeds them alone, computing a supported activation elementwise (MobileNetV3's hard sigmoid `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`) | folded into that layer |
@@ -686,6 +770,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `GlobalAveragePooling2D`, then 1x1 `Conv2D`, `Reshape` (a channel-vector head or gate) | `GlobalAveragePooling2DDVI`, `Dense*DVI`, identities |
     | `BatchNormalization` after a linear `Dense` or convolution that feeds it alone | folded into its weights (inference statistics) |
     | any other `BatchNormalization` on a feature map's channels or a vector's units | `BatchNormalizationDVI` (inference statistics, fixed) |
+    | a layer that multiplies each channel by its one weight (ConvNeXt's `LayerScale`) after a linear `Dense` or convolution that feeds it alone | folded into its weights |
+    | `LayerNormalization` of a feature map's channels or a vector's units | `LayerNormalizationDVI` |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
@@ -695,8 +781,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     ReLU layer or zero padding) moves to the pooling layer, the same function in the form whose
     moments are accurate. Layers without weights before the first
     layer with weights (`Rescaling`, `Normalization`, `Reshape`, operations such as `x / 255.0`,
-    ...) stay as they are. Layer normalisation, attention and recurrent layers have no accurate
-    Gaussian rule and are refused with the reason. Anything
+    ...) stay as they are. Group and unit normalisation, attention and recurrent layers have no
+    accurate Gaussian rule and are refused with the reason. Anything
     else is refused with an error that names the layer. A converted layer keeps the plain
     layer's `trainable` setting (a warning says when one is frozen: its variances are then not
     fitted).
@@ -835,6 +921,17 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 raise ValueError(f"keras_dvi.convert: Concatenate {layer.name!r} must join vectors, or feature maps "
                                  "along their channels (keras_dvi.ConcatenateDVI).")
             converted = dvi.ConcatenateDVI(data_format=first_format, name=layer.name)
+        elif isinstance(layer, keras.layers.LayerNormalization):
+            vector = len(layer.input.shape) == 2 or key in vectors
+            if getattr(layer, "rms_scaling", False) or not _on_channels(
+                    layer, layer.axis, "channels_last" if vector else first_format):
+                raise ValueError(
+                    f"keras_dvi.convert: LayerNormalization {layer.name!r} must normalise the channels of a feature "
+                    "map or the units of a vector (keras_dvi.LayerNormalizationDVI), without `rms_scaling`; it "
+                    f"has axis={layer.axis!r} on inputs of shape {tuple(layer.input.shape)}. To keep the layers "
+                    "up to it plain, convert only the layers after it (`last_layers=k`).")
+            converted = dvi.LayerNormalizationDVI.from_layer_normalization(
+                layer, activation=None if act == "linear" else act, data_format=first_format)
         elif isinstance(layer, keras.layers.BatchNormalization):
             converted = dvi.BatchNormalizationDVI.from_batch_normalization(
                 layer, activation=None if act == "linear" else act, data_format=first_format)
@@ -847,6 +944,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                  "keras_dvi.MultiplyDVI).")
             converted = dvi.MultiplyDVI(data_format=first_format, name=layer.name)
         elif isinstance(layer, keras.layers.Add):
+            converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
+                                   name=layer.name)
+        elif _is_tensor_sum(layer):
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
         elif _is_operation(layer):
@@ -863,7 +963,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "Supported: Dense, Conv1D, Conv2D (and their transposed forms), pooling, global average pooling, "
                 "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
                 "(vectors, or channels), ZeroPadding, Cropping, UpSampling (nearest), batch normalisation (folded, or on feature maps and "
-                "vectors), folded "
+                "vectors), layer normalisation (of channels or units), layer scales (folded), folded "
                 "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")
@@ -887,7 +987,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         else:
             if getattr(layer, "groups", 1) != 1 or layer.padding not in ("valid", "same"):
                 raise ValueError(f"keras_dvi.convert: convolution {layer.name!r} has groups or causal padding; "
-                                 "keras-dvi convolutions take groups=1 and 'valid' or 'same' padding.")
+                                 "keras-dvi convolutions take groups=1 (or, in 2D, one group per input channel: a "
+                                 "depthwise convolution) and 'valid' or 'same' padding.")
             converted = _CONV[type(layer)].from_conv(layer, kernel_variance, bias_variance, activation=act, **common)
         if batch_norm is not None:
             kernel, bias = _folded_weights(layer, batch_norm)
@@ -907,6 +1008,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             kwargs.pop("mask", None)  # (Keras records it for the plain layers that take one)
             if isinstance(layer, tuple):  # a separable convolution: depthwise, then pointwise
                 return layer[1](layer[0](*args, **kwargs))
+            if isinstance(layer, dvi.AddDVI) and len(args) == 2:  # (a sum written `x + y`)
+                return layer(list(args), **kwargs)
             return layer(*args, **kwargs)
 
         converted = keras.models.clone_model(source, clone_function=clone, call_function=call)

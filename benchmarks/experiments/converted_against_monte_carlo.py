@@ -71,6 +71,7 @@ NETWORKS = {
     "MobileNetV3Large": _applications(keras.applications.MobileNetV3Large),
     "EfficientNetB0": _applications(keras.applications.EfficientNetB0),
     "NASNetMobile": _applications(keras.applications.NASNetMobile),
+    "ConvNeXtTiny": _applications(keras.applications.ConvNeXtTiny),
 }
 
 
@@ -79,10 +80,24 @@ def images(rows, size=32, channels=3, seed=0):
     return np.random.default_rng(seed).uniform(size=(rows, size, size, channels)).astype("float32")
 
 
-def randomise_batch_norm(model, seed=0):
-    """Inference statistics and scales far from their initial values, so folding them matters."""
-    rng = np.random.default_rng(seed)
+def _all_layers(model):
+    """The layers of `model` and of the models nested in it (ConvNeXt's stem is a `Sequential`)."""
     for layer in model.layers:
+        yield from _all_layers(layer) if isinstance(layer, keras.Model) else (layer,)
+
+
+def randomise_batch_norm(model, seed=0):
+    """Inference statistics and scales far from their initial values, so folding them matters
+    (layer normalisations' scales and shifts too, and ConvNeXt's layer scales, whose initial
+    1e-6 would leave its residual branches out)."""
+    rng = np.random.default_rng(seed)
+    for layer in _all_layers(model):
+        if isinstance(layer, keras.layers.LayerNormalization):
+            n = int(layer.gamma.shape[0])
+            layer.gamma.assign(rng.uniform(0.5, 2.0, n))
+            layer.beta.assign(rng.normal(size=n) * 0.5)
+        if type(layer).__name__ == "LayerScale":  # (keras.applications' ConvNeXt)
+            layer.weights[0].assign(rng.uniform(0.5, 1.5, layer.weights[0].shape))
         if isinstance(layer, keras.layers.BatchNormalization):
             n = int(layer.moving_mean.shape[0])
             if layer.gamma is not None:  # (scale=False: none)

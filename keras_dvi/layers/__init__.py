@@ -16,6 +16,7 @@ from keras_dvi.layers.global_inducing_conv import GlobalInducingConv2D
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.global_inducing_dvi import GlobalInducingDenseDVI
 from keras_dvi.layers.inducing_inputs import InducingInputs
+from keras_dvi.layers.layer_normalization_dvi import LayerNormalizationDVI
 from keras_dvi.layers.multiply_dvi import MultiplyDVI
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.padding_dvi import (
@@ -45,6 +46,6 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "GlobalMaxPooling1DDVI", "GlobalMaxPooling2DDVI",
-           "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "ZeroPadding1DDVI",
+           "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "LayerNormalizationDVI", "ZeroPadding1DDVI",
            "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI",
            "Conv1DTransposeDVI", "Conv2DTransposeDVI", "UpSampling1DDVI", "UpSampling2DDVI"]

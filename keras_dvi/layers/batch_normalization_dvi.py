@@ -10,6 +10,23 @@ from keras_dvi.layers.feature_map import MapLayer
 from keras_dvi.maths import conv_moments, moments
 
 
+def check_epsilon(epsilon):
+    """`epsilon` as a float, or a `ValueError` naming the argument."""
+    if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not epsilon >= 0:
+        raise ValueError(f"Argument `epsilon` must be a non-negative number; received epsilon={epsilon!r}.")
+    return float(epsilon)
+
+
+def from_plain(cls, layer, **kwargs):
+    """The keras-dvi normalisation `cls(**kwargs)` of a built plain one, built for its packed
+    input and given its weights."""
+    converted = cls(**kwargs)
+    shape = tuple(layer.input.shape)  # data (batch, ...): the packed form has its rows after the batch
+    converted.build(shape[:1] + (2 if len(shape) == 2 else packing.MAP_ROWS,) + shape[1:])
+    converted.set_weights(layer.get_weights())
+    return converted
+
+
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class BatchNormalizationDVI(MapLayer):
     """Batch normalisation of a keras-dvi feature map with fixed statistics: the per-channel
@@ -53,19 +70,13 @@ class BatchNormalizationDVI(MapLayer):
 
     def __init__(self, epsilon=1e-3, center=True, scale=True, activation=None, data_format=None, **kwargs):
         super().__init__(data_format=data_format, **kwargs)
-        if not isinstance(epsilon, (int, float)) or isinstance(epsilon, bool) or not epsilon >= 0:
-            raise ValueError(f"Argument `epsilon` must be a non-negative number; received epsilon={epsilon!r}.")
-        self.epsilon, self.center, self.scale = float(epsilon), bool(center), bool(scale)
+        self.epsilon, self.center, self.scale = check_epsilon(epsilon), bool(center), bool(scale)
         self.activation = moments.canonical_activation(activation)
 
     _reads_vectors = True
 
     def build(self, input_shape):
-        _, channels = (packing.structure_of_shape(input_shape) if self._on_vector(tuple(input_shape))
-                       else self._structure(self._last(input_shape)))
-        if channels is None:
-            raise ValueError(f"{type(self).__name__} {self.name!r} needs a known number of channels; "
-                             f"received inputs of shape {tuple(input_shape)}.")
+        channels = self._channels(input_shape)
         add = lambda name, init, trainable: self.add_weight(  # noqa: E731
             name=name, shape=(channels,), initializer=init, trainable=trainable, autocast=False)
         self.gamma = add("gamma", "ones", True) if self.scale else None
@@ -104,12 +115,8 @@ class BatchNormalizationDVI(MapLayer):
     def from_batch_normalization(cls, layer, activation=None, data_format=None, **kwargs):
         """The keras-dvi counterpart of a built `keras.layers.BatchNormalization` on the channel
         axis of a feature map, with its weights and statistics (what `keras_dvi.convert` uses)."""
-        converted = cls(epsilon=layer.epsilon, center=layer.center, scale=layer.scale, activation=activation,
-                        data_format=data_format, name=kwargs.pop("name", layer.name), **kwargs)
-        shape = tuple(layer.input.shape)  # data (batch, ...): the packed form has its rows after the batch
-        converted.build(shape[:1] + (2 if len(shape) == 2 else packing.MAP_ROWS,) + shape[1:])
-        converted.set_weights(layer.get_weights())
-        return converted
+        return from_plain(cls, layer, epsilon=layer.epsilon, center=layer.center, scale=layer.scale,
+                          activation=activation, data_format=data_format, name=kwargs.pop("name", layer.name), **kwargs)
 
     def get_config(self):
         config = super().get_config()

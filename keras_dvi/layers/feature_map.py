@@ -173,6 +173,16 @@ class MapLayer(KerasDVILayer):
     def _propagate_vector(self, mean, second):
         raise NotImplementedError
 
+    def _channels(self, input_shape):
+        """The number of channels of a packed map (or, `_reads_vectors`, units of a vector) of
+        `input_shape`, checked: what a per-channel layer's weights need."""
+        _, channels = (packing.structure_of_shape(input_shape) if self._on_vector(tuple(input_shape))
+                       else self._structure(self._last(input_shape)))
+        if channels is None:
+            raise ValueError(f"{type(self).__name__} {self.name!r} needs a known number of channels; "
+                             f"received inputs of shape {tuple(input_shape)}.")
+        return channels
+
     def _map_rank(self, shape):
         if self.rank is not None:
             return self.rank

@@ -1096,6 +1096,71 @@ def concatenate_moments(parts):
     return mean, ops.concatenate(rows, axis=-2)
 
 
+def layer_norm_moments(mean, second, epsilon, gamma=None, beta=None, shared=None):
+    """Moments of layer normalisation over the last axis of Gaussian units,
+    `y = gamma (x - x_bar) / sqrt(s^2 + epsilon) + beta` with `x_bar`, `s^2` the mean and the
+    (biased) variance of the `C` units of `x` (`keras.layers.LayerNormalization(axis=-1)`).
+
+    The centring `x - x_bar` is linear: exact. The normaliser `s^2` is a statistic of the
+    random units themselves. It is taken at its expectation `S = mean(m~^2) + tr(Cov(x~)) / C`
+    (`m~` the centred means) and the map is linearised about the means (the delta method):
+    `J = r (I - a a^T / C)`, `r = (S + epsilon)^(-1/2)`, `a = r m~`. So the output mean is
+    `gamma a + beta` and the covariance `gamma J Cov(x~) J^T gamma`. Exact when the variances
+    vanish (the plain layer's function); with many units the statistic concentrates and the
+    rule is accurate: against Monte Carlo through Keras' layer, for inputs from nearly
+    deterministic to pure noise, variances 0.87-1.05 of Monte Carlo's and means within 0.05
+    standard deviations with 32 units or more; 0.79-1.11 and 0.14 with 8
+    (`tests/test_layer_normalization.py`).
+
+    Args:
+        mean: `(..., C)`.
+        second: `(..., C)` variances of independent units, or `(..., C, C)` covariances.
+        epsilon: added to the normaliser, as in Keras.
+        gamma, beta: `(C,)` scale and shift, or `None` (1 and 0).
+        shared: `(..., C)` shared components of a feature map's units
+            (`keras_dvi.maths.conv_moments`; each channel's factor is independent of the
+            others'), or `None`. The output's component on channel `c`'s factor is
+            `gamma r s (1 - (1 + a^2) / C)`, the linearised map's.
+
+    Returns:
+        `(mean, second)`, or `(mean, variance, shared)` when `shared` is given.
+    """
+    units = int(mean.shape[-1])
+    centred = mean - ops.mean(mean, axis=-1, keepdims=True)
+    full = len(second.shape) == len(mean.shape) + 1
+    if full:  # P Cov P, P = I - 1 1^T / C
+        rows = ops.mean(second, axis=-1)
+        second = (second - ops.expand_dims(rows, -1) - ops.expand_dims(rows, -2)
+                  + ops.mean(rows, axis=-1)[..., None, None])
+        spread = diagonal(second)
+    else:
+        spread = second * (1.0 - 2.0 / units) + ops.sum(second, axis=-1, keepdims=True) / units**2
+    statistic = ops.mean(ops.square(centred) + spread, axis=-1, keepdims=True)
+    rate = ops.rsqrt(statistic + epsilon)
+    a = centred * rate
+    if full:  # r^2 (Cov~ - (a u^T + u a^T) / C + a a^T (a . u) / C^2), u = Cov~ a
+        u = ops.squeeze(ops.matmul(second, ops.expand_dims(a, -1)), -1)
+        quadratic = ops.sum(a * u, axis=-1)[..., None, None]
+        outer = lambda x, y: ops.expand_dims(x, -1) * ops.expand_dims(y, -2)  # noqa: E731
+        out = ops.expand_dims(ops.square(rate), -1) * (
+            second - (outer(a, u) + outer(u, a)) / units + outer(a, a) * quadratic / units**2)
+    else:  # the diagonal of the same, with Cov~ = P diag(v) P: u = P (v a)
+        va = second * a
+        u = va - ops.mean(va, axis=-1, keepdims=True)
+        quadratic = ops.sum(va * a, axis=-1, keepdims=True)
+        out = ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * quadratic / units**2)
+    out_mean = a
+    if gamma is not None:
+        out_mean = out_mean * gamma
+        out = out * gamma[:, None] * gamma[None, :] if full else out * ops.square(gamma)
+    if beta is not None:
+        out_mean = out_mean + beta
+    if shared is None:
+        return out_mean, out
+    shared = shared * rate * (1.0 - (1.0 + ops.square(a)) / units)
+    return out_mean, out, shared if gamma is None else shared * gamma
+
+
 def diag_embed(variance):
     """`(..., K)` variances to `(..., K, K)` diagonal covariance matrices."""
     units = ops.shape(variance)[-1]
