@@ -1,6 +1,7 @@
 """`convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
 means ("train plain, convert, fine-tune")."""
 
+import functools
 import warnings
 
 import keras
@@ -120,6 +121,17 @@ class _Graph:
     def only_reader(self, layer):
         readers = self.readers[id(layer)]
         return readers[0] if len(readers) == 1 and id(layer) not in self.outputs else None
+
+    @functools.cached_property
+    def sums(self):
+        """The ids of the operations that add two tensors (`_is_tensor_sum`), checked once."""
+        return {id(node) for node in self.layers if _is_tensor_sum(node)}
+
+    @functools.cached_property
+    def scales(self):
+        """`{id: weight vector}` of the layer scales (`_channel_scale`), checked once."""
+        found = {id(layer): _channel_scale(layer) for layer in self.layers}
+        return {key: weight for key, weight in found.items() if weight is not None}
 
 
 def _inlinable(layer):
@@ -462,13 +474,12 @@ def _elementwise_activation(start, end):
     return None
 
 
-def _takes_activation(layer):
-    """Whether an activation after `layer` folds into it: a `Dense`, a convolution, a max
-    pooling, an `Add` or a layer normalisation (keras-dvi's counterparts apply their own
-    `activation`)."""
-    return (_is_weight_layer(layer) or isinstance(layer, (*_MAX_POOLING, keras.layers.Add,
-                                                          keras.layers.LayerNormalization))
-            or _is_tensor_sum(layer))
+def _takes_activation(layer, graph):
+    """Whether an activation after `layer` (of `graph`) folds into it: a `Dense`, a
+    convolution, a max pooling, an `Add` (or a sum written `x + y`) or a layer normalisation
+    (keras-dvi's counterparts apply their own `activation`)."""
+    return (_is_weight_layer(layer) or id(layer) in graph.sums
+            or isinstance(layer, (*_MAX_POOLING, keras.layers.Add, keras.layers.LayerNormalization)))
 
 
 def _operation_activations(graph, plain):
@@ -480,7 +491,7 @@ def _operation_activations(graph, plain):
     operation counts (chains of layers alone fold one by one in `_plan`)."""
     found = {}
     for layer in graph.layers:
-        if id(layer) in plain or not _takes_activation(layer) or _activation_of(layer) != "linear":
+        if id(layer) in plain or not _takes_activation(layer, graph) or _activation_of(layer) != "linear":
             continue
         chain, node = [], layer
         while True:
@@ -501,8 +512,9 @@ def _operation_activations(graph, plain):
 
 
 def _plan(graph):
-    """`(activation of each converted layer, layers replaced by an identity, batch
-    normalisations folded into each layer, layers kept as plain preprocessing)`. A batch
+    """`(activation of each converted layer, layers replaced by an identity, the per-channel
+    map `(scale, offset)` folded into each layer (a batch normalisation or layer scale after it,
+    `_channel_affine`), layers kept as plain preprocessing, vectors)`. A batch
     normalisation that cannot be folded becomes a `BatchNormalizationDVI` (an entry in the
     activations: the activation after it folds into it)."""
     activation, identity, folded, plain = {}, set(), {}, set()
@@ -519,33 +531,32 @@ def _plan(graph):
     for key, (name, chain) in _operation_activations(graph, plain).items():
         activation[key] = name
         identity |= {id(node) for node in chain}
-    scales = {id(layer) for layer in graph.layers if id(layer) not in plain and _channel_scale(layer) is not None}
     for layer in graph.layers:
         if id(layer) in plain or id(layer) in identity:
             continue
-        if _takes_activation(layer):
+        if _takes_activation(layer, graph):
             activation.setdefault(id(layer), _activation_of(layer) if _is_weight_layer(layer) else "linear")
-        if isinstance(layer, (keras.layers.BatchNormalization, *_ACTIVATION_LAYERS)) or id(layer) in scales:
-            batch_norm = not isinstance(layer, _ACTIVATION_LAYERS)  # (an affine map per channel: folds)
-            name = None if batch_norm else _activation_of(layer)
+        if isinstance(layer, (keras.layers.BatchNormalization, *_ACTIVATION_LAYERS)) or id(layer) in graph.scales:
+            per_channel = not isinstance(layer, _ACTIVATION_LAYERS)  # (a batch normalisation or layer scale)
+            name = None if per_channel else _activation_of(layer)
             if name == "softmax" and id(layer) in graph.outputs:
                 identity.add(id(layer))  # keras-dvi outputs logits; SoftmaxDeltaELL applies the softmax
                 continue
             producer, reader = _through_identities(graph, layer, identity)
             foldable = (producer is not None and activation.get(id(producer)) == "linear"
                         and graph.only_reader(producer) is reader
-                        and (_is_weight_layer(producer) and _normalises_channels(layer, producer) if batch_norm
+                        and (_is_weight_layer(producer) and _normalises_channels(layer, producer) if per_channel
                              else name not in (None, "softmax")))
-            if id(layer) in scales and not foldable:
+            if id(layer) in graph.scales and not foldable:
                 raise ValueError(
                     f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) multiplies each channel by a "
                     "weight (a layer scale); it can be folded only into a linear Dense or channels-last "
                     "convolution that feeds it alone. To keep the layers up to it plain, convert only the layers "
                     "after it (`last_layers=k`).")
-            if batch_norm and not foldable and _normalises_map_channels(layer, graph):
+            if per_channel and not foldable and _normalises_map_channels(layer, graph):
                 activation[id(layer)] = "linear"  # a BatchNormalizationDVI
                 continue
-            if (not batch_norm and not foldable and name not in (None, "softmax")
+            if (not per_channel and not foldable and name not in (None, "softmax")
                     and (_map_format(graph) is not None or len(layer.input.shape) == 2)):
                 activation[id(layer)] = name  # an ActivationDVI (on a map or a vector): its input has other readers
                 continue
@@ -556,15 +567,15 @@ def _plan(graph):
                     f"keras_dvi.convert: BatchNormalization {layer.name!r} can be folded only into a linear Dense "
                     "or convolution that feeds it alone, normalising its channels (its inference-time scale and "
                     "shift then become that layer's weights), or normalise the channels of a feature map or the "
-                    "units of a vector (keras_dvi.BatchNormalizationDVI)." if batch_norm else
+                    "units of a vector (keras_dvi.BatchNormalizationDVI)." if per_channel else
                     f"keras_dvi.convert: activation layer {layer.name!r} ({type(layer).__name__}"
                     f"{'' if name else ' ' + repr(_function_name(layer))}) can be folded only into the Dense, convolution, max pooling, Add or batch normalisation layer that feeds it "
                     f"alone, or stand on a feature map, with activation {_SUPPORTED} (a softmax only at the "
                     "output); other functions (softplus, ELU, ReLU with other bounds or thresholds, ...) have no "
                     "Gaussian moment rule in keras-dvi. To keep the layers up to it plain, convert only the "
                     "layers after it (`last_layers=k`).")
-            if batch_norm:
-                folded[id(producer)] = layer
+            if per_channel:
+                folded[id(producer)] = _channel_affine(layer, graph)
             else:
                 activation[id(producer)] = name
             identity.add(id(layer))
@@ -703,11 +714,11 @@ def _binary_logits(layer, kernel, bias):
     return two
 
 
-def _channel_affine(layer):
+def _channel_affine(layer, graph):
     """`(scale, offset)` of the per-channel map `y = scale x + offset` that a batch normalisation
-    computes at inference, or a layer scale (`_channel_scale`; offset 0)."""
+    of `graph` computes at inference, or a layer scale (`graph.scales`; offset 0)."""
     if not isinstance(layer, keras.layers.BatchNormalization):
-        return _channel_scale(layer), 0.0
+        return graph.scales[id(layer)], 0.0
     get = lambda v, default: default if v is None else keras.ops.convert_to_numpy(v).astype("float64")  # noqa: E731
     channels = int(layer.moving_mean.shape[0])
     gamma = get(layer.gamma, np.ones(channels))
@@ -717,14 +728,15 @@ def _channel_affine(layer):
     return scale, beta - mean * scale
 
 
-def _folded_weights(layer, batch_norm):
-    """The kernel and bias of `layer` with the inference-time batch normalisation (or layer
-    scale) after it folded in."""
+def _folded_weights(layer, affine):
+    """The kernel and bias of `layer` with the per-channel map `affine` after it folded in
+    (`(scale, offset)`, `_channel_affine`: an inference-time batch normalisation or a layer
+    scale), or as they are (`None`)."""
     kernel = keras.ops.convert_to_numpy(layer.kernel).astype("float64")
     bias = keras.ops.convert_to_numpy(layer.bias).astype("float64") if layer.use_bias else 0.0
-    if batch_norm is None:
+    if affine is None:
         return kernel, (bias if layer.use_bias else None)
-    scale, offset = _channel_affine(batch_norm)
+    scale, offset = affine
     shift = np.broadcast_to(bias * scale + offset, np.shape(scale)).copy()
     if isinstance(layer, keras.layers.DepthwiseConv2D):  # output channel c * multiplier + j
         scale = scale.reshape(kernel.shape[-2:])
@@ -943,10 +955,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                  "per-channel gate computed from a global average pooling (squeeze-and-excitation, "
                                  "keras_dvi.MultiplyDVI).")
             converted = dvi.MultiplyDVI(data_format=first_format, name=layer.name)
-        elif isinstance(layer, keras.layers.Add):
-            converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
-                                   name=layer.name)
-        elif _is_tensor_sum(layer):
+        elif isinstance(layer, keras.layers.Add) or key in graph.sums:
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
         elif _is_operation(layer):
@@ -969,11 +978,11 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "(`last_layers=k`).")
         return converted
 
-    def convert_weights(layer, act, common, output, batch_norm):
+    def convert_weights(layer, act, common, output, affine):
         """The keras-dvi layer of a plain `Dense`, convolution or depthwise convolution."""
         trainable = layer.trainable  # (a frozen layer stays frozen, as in the plain part)
         if id(layer) in binary_heads:  # the logits (0, z), whose softmax SoftmaxDeltaELL takes
-            layer, act, batch_norm = _binary_logits(layer, *_folded_weights(layer, batch_norm)), "linear", None
+            layer, act, affine = _binary_logits(layer, *_folded_weights(layer, affine)), "linear", None
         if isinstance(layer, keras.layers.Dense):
             full = output or hidden_covariance == "full"
             converted = (dvi.DenseDVI if full else dvi.DenseDiagDVI).from_dense(
@@ -990,8 +999,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                  "keras-dvi convolutions take groups=1 (or, in 2D, one group per input channel: a "
                                  "depthwise convolution) and 'valid' or 'same' padding.")
             converted = _CONV[type(layer)].from_conv(layer, kernel_variance, bias_variance, activation=act, **common)
-        if batch_norm is not None:
-            kernel, bias = _folded_weights(layer, batch_norm)
+        if affine is not None:
+            kernel, bias = _folded_weights(layer, affine)
             converted.set_posterior(kernel, converted.kernel_variance, bias)
         converted.trainable = trainable
         return converted

@@ -17,6 +17,19 @@ def check_epsilon(epsilon):
     return float(epsilon)
 
 
+def affine_vector(mean, second, scale, shift, activation):
+    """Packed moments of `activation(scale x + shift)`, per unit, for Gaussian vectors `x` with
+    variances or covariances `second` (`vectors.unit_affine`, `vectors.activated`)."""
+    return vectors.activated(mean * scale + shift, vectors.unit_affine(second, scale), activation)
+
+
+def affine_map(mean, variance, shared, scale, shift, activation):
+    """The packed map `activation(scale x + shift)`, per channel
+    (`conv_moments.channel_affine_moments`, then `conv_moments.activation_moments`)."""
+    moved = conv_moments.channel_affine_moments(mean, variance, shared, scale, shift)
+    return packing.pack_map(*conv_moments.activation_moments(*moved, activation))
+
+
 def from_plain(cls, layer, **kwargs):
     """The keras-dvi normalisation `cls(**kwargs)` of a built plain one, built for its packed
     input and given its weights."""
@@ -100,12 +113,10 @@ class BatchNormalizationDVI(MapLayer):
         return scale, shift
 
     def _propagate_vector(self, mean, second):
-        scale, shift = self.affine(mean.dtype)
-        return vectors.activated(mean * scale + shift, vectors.unit_affine(second, scale), self.activation)
+        return affine_vector(mean, second, *self.affine(mean.dtype), self.activation)
 
     def _propagate(self, mean, variance, shared):
-        normalised = conv_moments.channel_affine_moments(mean, variance, shared, *self.affine(mean.dtype))
-        return packing.pack_map(*conv_moments.activation_moments(*normalised, self.activation))
+        return affine_map(mean, variance, shared, *self.affine(mean.dtype), self.activation)
 
     def _sample(self, samples):
         scale, shift = self.affine(samples.dtype)

@@ -3,12 +3,10 @@
 import keras
 from keras import ops
 
-from keras_dvi import packing
-from keras_dvi.layers import vectors
 from keras_dvi.layers.base import apply_activation
-from keras_dvi.layers.batch_normalization_dvi import check_epsilon, from_plain
+from keras_dvi.layers.batch_normalization_dvi import affine_map, affine_vector, check_epsilon, from_plain
 from keras_dvi.layers.feature_map import MapLayer
-from keras_dvi.maths import conv_moments, moments
+from keras_dvi.maths import moments
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -76,26 +74,25 @@ class LayerNormalizationDVI(MapLayer):
         self._structure(input_shape)
         return tuple(input_shape)
 
-    def _weights_in(self, dtype):
-        """`(gamma, beta)` in `dtype` (`None` where the layer has none)."""
-        get = lambda v: None if v is None else ops.cast(ops.convert_to_tensor(v), dtype)  # noqa: E731
-        return get(self.gamma), get(self.beta)
+    def affine(self, like):
+        """`(gamma, beta)` in the dtype of `like` (a tensor whose last axis holds the channels; 1 and
+        0 where the layer has none): the per-channel map after the normalisation."""
+        get = lambda v, value: (ops.full(like.shape[-1:], value, like.dtype) if v is None  # noqa: E731
+                                else ops.cast(ops.convert_to_tensor(v), like.dtype))
+        return get(self.gamma, 1.0), get(self.beta, 0.0)
 
     def _propagate_vector(self, mean, second):
-        normalised = moments.layer_norm_moments(mean, second, self.epsilon, *self._weights_in(mean.dtype))
-        return vectors.activated(*normalised, self.activation)
+        normalised = moments.layer_norm_moments(mean, second, self.epsilon)
+        return affine_vector(*normalised, *self.affine(mean), self.activation)
 
     def _propagate(self, mean, variance, shared):
-        normalised = moments.layer_norm_moments(mean, variance, self.epsilon, *self._weights_in(mean.dtype),
-                                                shared=shared)
-        return packing.pack_map(*conv_moments.activation_moments(*normalised, self.activation))
+        normalised = moments.layer_norm_moments(mean, variance, self.epsilon, shared=shared)
+        return affine_map(*normalised, *self.affine(mean), self.activation)
 
     def _sample(self, samples):
-        gamma, beta = self._weights_in(samples.dtype)
-        centred = samples - ops.mean(samples, axis=-1, keepdims=True)
-        out = centred * ops.rsqrt(ops.mean(ops.square(centred), axis=-1, keepdims=True) + self.epsilon)
-        out = out if gamma is None else out * gamma
-        return apply_activation(out if beta is None else out + beta, self.activation)
+        scale, shift = self.affine(samples)
+        normalised = ops.layer_normalization(samples, axis=-1, epsilon=self.epsilon)  # (Keras' own function)
+        return apply_activation(normalised * scale + shift, self.activation)
 
     @classmethod
     def from_layer_normalization(cls, layer, activation=None, data_format=None, **kwargs):

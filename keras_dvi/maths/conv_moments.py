@@ -55,6 +55,10 @@ re-expresses them as one factor per output channel, below).
   `channel_affine_moments`).
 * transposed convolution (`conv_transpose_moments`): the convolution of the input with zeros
   between its positions, as above.
+* layer normalisation of the channels at each position (`moments.layer_norm_moments`, shared
+  components included): the centring exact, the normaliser at its expectation, the map
+  linearised about the means; each unit keeps its component on its own channel's factor
+  (its loads on the other channels' factors, O(1/C) each, join its independent part).
 """
 
 import functools

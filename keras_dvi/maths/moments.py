@@ -1096,16 +1096,17 @@ def concatenate_moments(parts):
     return mean, ops.concatenate(rows, axis=-2)
 
 
-def layer_norm_moments(mean, second, epsilon, gamma=None, beta=None, shared=None):
+def layer_norm_moments(mean, second, epsilon, shared=None):
     """Moments of layer normalisation over the last axis of Gaussian units,
-    `y = gamma (x - x_bar) / sqrt(s^2 + epsilon) + beta` with `x_bar`, `s^2` the mean and the
-    (biased) variance of the `C` units of `x` (`keras.layers.LayerNormalization(axis=-1)`).
+    `y = (x - x_bar) / sqrt(s^2 + epsilon)` with `x_bar`, `s^2` the mean and the (biased)
+    variance of the `C` units of `x` (`keras.layers.LayerNormalization(axis=-1)` before its
+    per-unit scale and shift, which are exact: `conv_moments.channel_affine_moments`).
 
     The centring `x - x_bar` is linear: exact. The normaliser `s^2` is a statistic of the
     random units themselves. It is taken at its expectation `S = mean(m~^2) + tr(Cov(x~)) / C`
     (`m~` the centred means) and the map is linearised about the means (the delta method):
     `J = r (I - a a^T / C)`, `r = (S + epsilon)^(-1/2)`, `a = r m~`. So the output mean is
-    `gamma a + beta` and the covariance `gamma J Cov(x~) J^T gamma`. Exact when the variances
+    `a` and the covariance `J Cov(x~) J^T`. Exact when the variances
     vanish (the plain layer's function); with many units the statistic concentrates and the
     rule is accurate: against Monte Carlo through Keras' layer, for inputs from nearly
     deterministic to pure noise, variances 0.87-1.05 of Monte Carlo's and means within 0.05
@@ -1116,11 +1117,10 @@ def layer_norm_moments(mean, second, epsilon, gamma=None, beta=None, shared=None
         mean: `(..., C)`.
         second: `(..., C)` variances of independent units, or `(..., C, C)` covariances.
         epsilon: added to the normaliser, as in Keras.
-        gamma, beta: `(C,)` scale and shift, or `None` (1 and 0).
         shared: `(..., C)` shared components of a feature map's units
             (`keras_dvi.maths.conv_moments`; each channel's factor is independent of the
             others'), or `None`. The output's component on channel `c`'s factor is
-            `gamma r s (1 - (1 + a^2) / C)`, the linearised map's.
+            `r s (1 - (1 + a^2) / C)`, the linearised map's.
 
     Returns:
         `(mean, second)`, or `(mean, variance, shared)` when `shared` is given.
@@ -1149,16 +1149,9 @@ def layer_norm_moments(mean, second, epsilon, gamma=None, beta=None, shared=None
         u = va - ops.mean(va, axis=-1, keepdims=True)
         quadratic = ops.sum(va * a, axis=-1, keepdims=True)
         out = ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * quadratic / units**2)
-    out_mean = a
-    if gamma is not None:
-        out_mean = out_mean * gamma
-        out = out * gamma[:, None] * gamma[None, :] if full else out * ops.square(gamma)
-    if beta is not None:
-        out_mean = out_mean + beta
     if shared is None:
-        return out_mean, out
-    shared = shared * rate * (1.0 - (1.0 + ops.square(a)) / units)
-    return out_mean, out, shared if gamma is None else shared * gamma
+        return a, out
+    return a, out, shared * rate * (1.0 - (1.0 + ops.square(a)) / units)
 
 
 def diag_embed(variance):
