@@ -772,7 +772,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `GlobalMaxPooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
     | `Conv1DTranspose`, `Conv2DTranspose` | `Conv1DTransposeDVI`, `Conv2DTransposeDVI` |
-    | `ZeroPadding*D`, `Cropping*D`, `UpSampling*D` (nearest), `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `UpSampling*DDVI`, `ConcatenateDVI` |
+    | `ZeroPadding*D`, `Cropping*D`, `UpSampling*D` (any interpolation), `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `UpSampling*DDVI`, `ConcatenateDVI` |
     | `Add` of vectors (residual MLPs), `Concatenate` of vectors and inputs (wide and deep) | `AddDVI`, `ConcatenateDVI` |
     | a sum of two tensors written `x + y` (ConvNeXt's residual sums) | `AddDVI` |
     | `Multiply` of a feature map and a gate from its global average (squeeze-and-excitation) | `MultiplyDVI` |
@@ -920,14 +920,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted = dvi.FlattenDVI(data_format=layer.data_format, name=layer.name)
         elif type(layer) in _RESHAPING:
             kind, argument = _RESHAPING[type(layer)]
-            if getattr(layer, "interpolation", "nearest") != "nearest":
-                raise ValueError(f"keras_dvi.convert: UpSampling2D {layer.name!r} interpolates "
-                                 f"({layer.interpolation!r}), mixing neighbouring units, whose covariances a keras-dvi "
-                                 "feature map does not carry; keras_dvi.UpSampling2DDVI repeats units "
-                                 "(interpolation='nearest'). Retrain the plain model with it, or with a "
-                                 "Conv2DTranspose, or convert with `last_layers=k`.")
+            extra = {"interpolation": layer.interpolation} if isinstance(layer, keras.layers.UpSampling2D) else {}
             converted = kind(getattr(layer, argument), data_format=getattr(layer, "data_format", first_format),
-                             name=layer.name)
+                             name=layer.name, **extra)
         elif isinstance(layer, keras.layers.Concatenate):
             if not _on_channels(layer, layer.axis, first_format if len(layer.input[0].shape) > 2 else "channels_last"):
                 raise ValueError(f"keras_dvi.convert: Concatenate {layer.name!r} must join vectors, or feature maps "
@@ -971,7 +966,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
                 "Supported: Dense, Conv1D, Conv2D (and their transposed forms), pooling, global average pooling, "
                 "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
-                "(vectors, or channels), ZeroPadding, Cropping, UpSampling (nearest), batch normalisation (folded, or on feature maps and "
+                "(vectors, or channels), ZeroPadding, Cropping, UpSampling, batch normalisation (folded, or on feature maps and "
                 "vectors), layer normalisation (of channels or units), layer scales (folded), folded "
                 "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "

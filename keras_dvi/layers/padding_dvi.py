@@ -1,6 +1,7 @@
 """Zero padding, cropping and upsampling of keras-dvi feature maps
-(`keras_dvi.conv_moments.pad_moments`, `crop_moments`, `upsample_moments`): exact, as
-`keras.layers.ZeroPadding*D`, `Cropping*D` and `UpSampling*D` on the moments."""
+(`keras_dvi.conv_moments.pad_moments`, `crop_moments`, `upsample_moments`,
+`interpolate_moments`): as `keras.layers.ZeroPadding*D`, `Cropping*D` and `UpSampling*D` on
+the moments, exact (interpolation: exact within the representation)."""
 
 import keras
 from keras import ops
@@ -90,12 +91,10 @@ class UpSamplingDVI(MapLayer):
     def __init__(self, size=2, data_format=None, interpolation="nearest", **kwargs):
         super().__init__(data_format=data_format, **kwargs)
         self.size = integers("size", size, self.rank)
-        if interpolation != "nearest":
+        if interpolation != "nearest" and interpolation not in conv_moments.INTERPOLATIONS:
             raise ValueError(
-                f"Argument `interpolation` must be 'nearest' (each unit repeated, exact); received "
-                f"interpolation={interpolation!r}. Other interpolations mix neighbouring units, whose "
-                "covariances a keras-dvi feature map does not carry; use 'nearest', or a "
-                "Conv2DTransposeDVI, which learns its upsampling.")
+                f"Argument `interpolation` must be 'nearest' or one of {', '.join(map(repr, conv_moments.INTERPOLATIONS))}"
+                f" (those of keras.layers.UpSampling2D); received interpolation={interpolation!r}.")
         self.interpolation = interpolation
 
     def _output_shape(self, input_shape):
@@ -104,10 +103,15 @@ class UpSamplingDVI(MapLayer):
         return packing.map_shape(input_shape, out, channels)
 
     def _propagate(self, mean, variance, shared):
-        return packing.pack_map(*conv_moments.upsample_moments(mean, variance, shared, self.size))
+        if self.interpolation == "nearest":
+            return packing.pack_map(*conv_moments.upsample_moments(mean, variance, shared, self.size))
+        return packing.pack_map(*conv_moments.interpolate_moments(mean, variance, shared, self.size,
+                                                                  self.interpolation))
 
     def _sample(self, samples):
-        return conv_moments.upsample(samples, self.size)
+        if self.interpolation == "nearest":
+            return conv_moments.upsample(samples, self.size)
+        return conv_moments.interpolate(samples, self.size, self.interpolation)
 
     def get_config(self):
         config = super().get_config()
@@ -117,13 +121,15 @@ class UpSamplingDVI(MapLayer):
         return config
 
 
-_UPSAMPLING_DOC = """Nearest-neighbour upsampling of a keras-dvi feature map ({rank}D), arguments as
+_UPSAMPLING_DOC = """Upsampling of a keras-dvi feature map ({rank}D), arguments as
     `keras.layers.UpSampling{rank}D`.
 
-    Exact per unit: every unit is repeated `size` times along each spatial axis, each copy with
-    its mean, variance and shared component (`keras_dvi.conv_moments.upsample_moments`). As
-    for every position of a keras-dvi map, the copies' independent parts are taken as
-    independent of each other (they are one unit); a convolution after it sees them as such.
+    {nearest}: every unit is repeated `size` times
+    along each spatial axis, each copy with its mean, variance and shared component
+    (`keras_dvi.conv_moments.upsample_moments`).{interpolation_how} As for every position of a
+    keras-dvi map, neighbouring outputs are taken as independent of each other beyond their
+    shared components (a copy, or an interpolation, of the same units); a convolution after it
+    sees them as such.
 
     Args:
         size: a positive integer{pair}: the upsampling factor (default 2).
@@ -139,13 +145,14 @@ _UPSAMPLING_DOC = """Nearest-neighbour upsampling of a keras-dvi feature map ({r
 
     Examples:
         >>> x = keras_dvi.Conv{rank}DDVI(16, 3, padding="same", activation="relu", regularizer=prior)(inputs)
-        >>> x = keras_dvi.UpSampling{rank}DDVI(2)(x)
+        >>> x = keras_dvi.UpSampling{rank}DDVI(2{example})(x)
     """
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class UpSampling1DDVI(UpSamplingDVI):
-    __doc__ = _UPSAMPLING_DOC.format(rank=1, pair="", dims="steps", interpolation="")
+    __doc__ = _UPSAMPLING_DOC.format(rank=1, pair="", dims="steps", interpolation="", interpolation_how="",
+                                     example="", nearest="Exact per unit")
     rank = 1
 
     def __init__(self, size=2, data_format=None, **kwargs):
@@ -155,9 +162,18 @@ class UpSampling1DDVI(UpSamplingDVI):
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class UpSampling2DDVI(UpSamplingDVI):
     __doc__ = _UPSAMPLING_DOC.format(
-        rank=2, pair=" or a tuple of 2 (rows, cols)", dims="rows, cols",
-        interpolation="\n        interpolation: `\"nearest\"` (the default; Keras' other interpolations mix\n"
-                      "            neighbouring units and are refused).")
+        rank=2, pair=" or a tuple of 2 (rows, cols)", dims="rows, cols", nearest="Nearest neighbour (the default) is exact per unit",
+        interpolation_how=(
+            "\n\n    The other interpolations make each output unit a fixed weighted sum\n"
+            "    `sum_j a_j x_j` of neighbouring units, with Keras' weights (`ops.image.resize`, read\n"
+            "    off Keras' own function, `keras_dvi.conv_moments.interpolation_matrix`): the mean\n"
+            "    `sum_j a_j m_j` and the shared component `sum_j a_j s_j` are exact, the independent\n"
+            "    part's variance `sum_j a_j^2 (v_j - s_j^2)` exact within the representation, as for\n"
+            "    average pooling (`keras_dvi.conv_moments.interpolate_moments`)."),
+        interpolation=(
+            "\n        interpolation: `\"nearest\"` (default), `\"bilinear\"`, `\"bicubic\"`,\n"
+            "            `\"lanczos3\"` or `\"lanczos5\"`, as in `keras.layers.UpSampling2D`."),
+        example=', interpolation="bilinear"')
     rank = 2
 
 

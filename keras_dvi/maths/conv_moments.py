@@ -53,6 +53,9 @@ re-expresses them as one factor per output channel, below).
   per-channel affine map (batch normalisation with fixed statistics): exact within the
   representation (`pad_moments`, `crop_moments`, `upsample_moments`, `concatenate_moments`,
   `channel_affine_moments`).
+* upsampling by interpolation (bilinear, bicubic, Lanczos; `interpolate_moments`): each output
+  unit a fixed weighted sum of input units, exact within the representation as average
+  pooling is.
 * transposed convolution (`conv_transpose_moments`): the convolution of the input with zeros
   between its positions, as above.
 * layer normalisation of the channels at each position (`moments.layer_norm_moments`, shared
@@ -663,6 +666,59 @@ def upsample_moments(mean, variance, shared, size):
     and shared component (exact per unit; like every position of a map, the copies'
     independent parts are taken as independent). Returns `(mean, variance, shared)`."""
     return upsample(mean, size), upsample(variance, size), upsample(shared, size)
+
+
+#: `keras.layers.UpSampling2D`'s interpolations other than `"nearest"`: each output unit a
+#: fixed weighted sum of neighbouring input units (`interpolation_matrix`).
+INTERPOLATIONS = ("bilinear", "bicubic", "lanczos3", "lanczos5")
+
+
+def interpolation_matrix(length, factor, interpolation, dtype="float32"):
+    """The `(length * factor, length)` matrix `A` of Keras' `ops.image.resize` along one axis
+    of `length` units upsampled `factor` times: output unit `i` is `sum_j A[i, j] x[j]`. Read
+    off Keras' own function (each column is the resized unit vector), so it holds Keras'
+    weights on every backend; Keras' 2D resize is separable, one such matrix per axis.
+    `length` may be a tensor (a map of unknown size)."""
+    basis = ops.reshape(ops.eye(length, dtype=dtype), (length, length, 1, 1))  # (unit vectors, rows, 1, 1)
+    resized = ops.image.resize(basis, (length * factor, 1), interpolation=interpolation,
+                               data_format="channels_last")
+    return ops.cast(ops.transpose(ops.reshape(resized, (length, length * factor))), dtype)
+
+
+def _along(x, matrix, axis):
+    """`x` with its axis `axis` mapped by `matrix` `(out, in)`."""
+    moved = ops.moveaxis(x, axis, -1)
+    return ops.moveaxis(ops.matmul(moved, ops.transpose(matrix)), -1, axis)
+
+
+def interpolate(x, size, interpolation):
+    """`x`, whose spatial axes are the `len(size)` axes before its last (channels) axis (a map,
+    or samples of one), upsampled `size[i]` times along spatial axis `i` by Keras'
+    `interpolation` (one of `INTERPOLATIONS`): `keras.layers.UpSampling2D(size,
+    interpolation=...)`, one `interpolation_matrix` per axis."""
+    first = len(x.shape) - 1 - len(size)
+    for i, factor in enumerate(size):
+        if factor > 1:
+            x = _along(x, interpolation_matrix(ops.shape(x)[first + i], factor, interpolation, x.dtype), first + i)
+    return x
+
+
+def interpolate_moments(mean, variance, shared, size, interpolation):
+    """Upsampling by interpolation (`interpolate`): each output unit is a fixed weighted sum
+    `sum_j a_j x_j` of neighbouring units, so its mean is `sum_j a_j m_j` and its shared
+    component `sum_j a_j s_j` (exact), and its independent part's variance
+    `sum_j a_j^2 (v_j - s_j^2)`: exact within the representation, as for average pooling
+    (`average_pool_moments`). Neighbouring outputs, which share input units, are taken as
+    independent beyond their shared components, as every two positions of a map are.
+    Returns `(mean, variance, shared)`."""
+    first = len(mean.shape) - 1 - len(size)
+    residual = ops.maximum(variance - ops.square(shared), 0.0)
+    for i, factor in enumerate(size):
+        if factor > 1:
+            matrix = interpolation_matrix(ops.shape(mean)[first + i], factor, interpolation, mean.dtype)
+            mean, shared = _along(mean, matrix, first + i), _along(shared, matrix, first + i)
+            residual = _along(residual, ops.square(matrix), first + i)
+    return mean, residual + ops.square(shared), shared
 
 
 def concatenate_moments(maps):
