@@ -440,8 +440,8 @@ def _operation_refused(operation):
     return ValueError(
         f"keras_dvi.convert: operation {operation.name!r} (keras.ops {type(operation).__name__}: an operator or "
         "keras.ops call on a tensor, such as `x + 3.0`, not a layer) has no keras-dvi counterpart. Operations "
-        "convert only as a chain (with activation layers) that a Dense, convolution, max pooling or Add feeds "
-        f"alone and that computes one of the activations {_SUPPORTED} elementwise, such as MobileNetV3's hard "
+        "convert only as a chain (with activation layers) that a Dense, convolution, max pooling, Add or batch "
+        f"normalisation feeds alone and that computes one of the activations {_SUPPORTED} elementwise, such as MobileNetV3's hard "
         "sigmoid `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`; that activation then folds into the layer. To keep the "
         "layers up to it plain, convert only the layers after it (`last_layers=k`).")
 
@@ -484,14 +484,19 @@ def _takes_activation(layer, graph):
 
 def _operation_activations(graph, plain):
     """`{id(layer): (activation, chain)}`: a layer (a linear `Dense` or convolution, a max
-    pooling or an `Add`) read only by a chain of operations on tensors and activation layers,
-    each the only reader of the one before, that computes a supported activation elementwise:
-    MobileNetV3's hard sigmoid gates, `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`. The activation folds
-    into the layer; the chain becomes identities. The longest such chain that contains an
-    operation counts (chains of layers alone fold one by one in `_plan`)."""
+    pooling, an `Add`, or a batch normalisation or layer scale, which `_plan` folds and whose
+    activation then goes to the layer it folds into) read only by a chain of operations on
+    tensors and activation layers, each the only reader of the one before, that computes a
+    supported activation elementwise: MobileNetV3's hard sigmoid gates,
+    `ReLU(6.0)(x + 3.0) * (1.0 / 6.0)`, or keras.io's DeepLabV3+ `ops.nn.relu` after batch
+    normalisation. The activation folds into the layer; the chain becomes identities. The
+    longest such chain that contains an operation counts (chains of layers alone fold one by
+    one in `_plan`)."""
     found = {}
     for layer in graph.layers:
-        if id(layer) in plain or not _takes_activation(layer, graph) or _activation_of(layer) != "linear":
+        if id(layer) in plain or _activation_of(layer) != "linear" or not (
+                _takes_activation(layer, graph) or isinstance(layer, keras.layers.BatchNormalization)
+                or id(layer) in graph.scales):
             continue
         chain, node = [], layer
         while True:
@@ -554,7 +559,7 @@ def _plan(graph):
                     "convolution that feeds it alone. To keep the layers up to it plain, convert only the layers "
                     "after it (`last_layers=k`).")
             if per_channel and not foldable and _normalises_map_channels(layer, graph):
-                activation[id(layer)] = "linear"  # a BatchNormalizationDVI
+                activation.setdefault(id(layer), "linear")  # a BatchNormalizationDVI (its own activation)
                 continue
             if (not per_channel and not foldable and name not in (None, "softmax")
                     and (_map_format(graph) is not None or len(layer.input.shape) == 2)):
@@ -576,6 +581,8 @@ def _plan(graph):
                     "layers after it (`last_layers=k`).")
             if per_channel:
                 folded[id(producer)] = _channel_affine(layer, graph)
+                if id(layer) in activation:  # (a chain of operations after it: `_operation_activations`)
+                    activation[id(producer)] = activation.pop(id(layer))
             else:
                 activation[id(producer)] = name
             identity.add(id(layer))

@@ -723,6 +723,30 @@ def test_operations_that_compute_an_activation_fold_into_the_layer_before_them(g
     np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x)), atol=1e-6)
 
 
+def test_operations_after_a_batch_normalisation_fold_with_it():
+    """keras.io's DeepLabV3+ writes its blocks `ops.nn.relu(BatchNormalization()(conv(x)))`: the
+    batch normalisation folds into the convolution and the operation's activation joins it;
+    after a concatenation, where nothing can take the batch normalisation, the activation goes
+    to the `BatchNormalizationDVI`. The converted model computes the plain function at tiny
+    variances."""
+    keras.utils.set_random_seed(4)
+    layers = keras.layers
+    inputs = keras.Input((8, 8, 3))
+    h = keras.ops.nn.relu(layers.BatchNormalization()(layers.Conv2D(4, 3, padding="same", name="first")(inputs)))
+    h = layers.Concatenate()([h, layers.Conv2D(2, 1, activation="relu")(h)])
+    h = keras.ops.nn.relu6(layers.BatchNormalization(name="joined")(h) * 1.0)
+    h = layers.GlobalAveragePooling2D()(layers.Conv2D(4, 3)(h))
+    plain = keras.Model(inputs, layers.Dense(3, activation="softmax")(h))
+    randomise_batch_norm(plain)
+    converted = kd.convert(plain, **TINY)
+    kinds = {layer.name: layer for layer in converted.layers}
+    assert isinstance(kinds["first"], kd.Conv2DDVI) and kinds["first"].activation == "relu"
+    assert isinstance(kinds["joined"], kd.BatchNormalizationDVI) and kinds["joined"].activation == "relu6"
+    x = _images(rows=3, size=8, channels=3)
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(keras.ops.softmax(mean)), to_numpy(plain(x)), atol=1e-6)
+
+
 def test_operations_that_compute_no_supported_activation_are_refused_by_name():
     for gate in (lambda x: x * 2.0,  # affine, no activation
                  lambda x: keras.layers.ReLU(6.0)(x + 3.0),  # relu6(x + 3): a shifted ReLU6

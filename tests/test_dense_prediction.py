@@ -461,3 +461,59 @@ def test_a_segmenter_with_bilinear_upsampling_converts_trains_and_saves(tmp_path
                                rtol=1e-6, atol=1e-7)
 
 
+
+
+def _deeplab_v3_plus(image_size, classes, filters=32):
+    """keras.io's DeepLabV3+ ("Multiclass semantic segmentation using DeepLabV3+"), with fewer
+    filters: a ResNet50 backbone on preprocessed input, dilated spatial pyramid pooling (a
+    whole-map average pooling upsampled back bilinearly, dilations 6, 12 and 18), low-level
+    features joined after a bilinear upsampling, the logits upsampled bilinearly to the image;
+    its blocks are written `ops.nn.relu(BatchNormalization()(Conv2D(...)))`."""
+    layers = keras.layers
+
+    def block(x, num_filters=filters, kernel_size=3, dilation_rate=1, use_bias=False):
+        x = layers.Conv2D(num_filters, kernel_size=kernel_size, dilation_rate=dilation_rate, padding="same",
+                          use_bias=use_bias, kernel_initializer=keras.initializers.HeNormal())(x)
+        return ops.nn.relu(layers.BatchNormalization()(x))
+
+    def pyramid(x):
+        dims = x.shape
+        pooled = block(layers.AveragePooling2D(pool_size=(dims[-3], dims[-2]))(x), kernel_size=1, use_bias=True)
+        pooled = layers.UpSampling2D(size=(dims[-3] // pooled.shape[1], dims[-2] // pooled.shape[2]),
+                                     interpolation="bilinear")(pooled)
+        branches = [block(x, kernel_size=1)] + [block(x, dilation_rate=d) for d in (6, 12, 18)]
+        return block(layers.Concatenate(axis=-1)([pooled, *branches]), kernel_size=1)
+
+    model_input = keras.Input(shape=(image_size, image_size, 3))
+    preprocessed = keras.applications.resnet50.preprocess_input(model_input)
+    resnet50 = keras.applications.ResNet50(weights=None, include_top=False, input_tensor=preprocessed)
+    x = pyramid(resnet50.get_layer("conv4_block6_2_relu").output)
+    input_a = layers.UpSampling2D(size=(image_size // 4 // x.shape[1], image_size // 4 // x.shape[2]),
+                                  interpolation="bilinear")(x)
+    input_b = block(resnet50.get_layer("conv2_block3_2_relu").output, num_filters=12, kernel_size=1)
+    x = block(block(layers.Concatenate(axis=-1)([input_a, input_b])))
+    x = layers.UpSampling2D(size=(image_size // x.shape[1], image_size // x.shape[2]), interpolation="bilinear")(x)
+    return keras.Model(model_input, layers.Conv2D(classes, kernel_size=(1, 1), padding="same")(x))
+
+
+@pytest.mark.heavy
+def test_kerasio_deeplab_v3_plus_converts_whole_and_computes_the_plain_segmentation():
+    """keras.io's DeepLabV3+ (logits out, compiled with a from-logits cross-entropy) converts
+    layer for layer: its batch normalisations fold into the convolutions with the `ops.nn.relu`
+    after them, its three bilinear upsamplings become `UpSampling2DDVI(interpolation="bilinear")`;
+    at tiny variances the per-pixel logits are the plain model's."""
+    from benchmarks.experiments.converted_against_monte_carlo import randomise_batch_norm
+
+    keras.utils.set_random_seed(0)
+    plain = _deeplab_v3_plus(32, 5)
+    randomise_batch_norm(plain)
+    plain.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    converted = kd.convert(plain, **TINY)
+    kinds = [type(layer).__name__ for layer in converted.layers]
+    assert kinds.count("UpSampling2DDVI") == 3 and "AddDVI" in kinds and "ConcatenateDVI" in kinds
+    assert not any(isinstance(layer, keras.layers.BatchNormalization) for layer in converted.layers)
+    assert isinstance(converted.loss, kd.SoftmaxDeltaELL)
+    x = np.random.default_rng(0).uniform(0, 255, size=(2, 32, 32, 3)).astype("float32")
+    logits = to_numpy(plain(x))
+    mean, _ = kd.unpack(converted(x))
+    np.testing.assert_allclose(to_numpy(mean), logits, rtol=1e-4, atol=1e-5 * np.abs(logits).max())
