@@ -7,7 +7,8 @@ networks without gradients. The public API, by topic:
 
 * dense layers: `DenseDVI`, `DenseDiagDVI`, `SkipDVI`, `SkipDiagDVI`; regression heads
   `HomoscedasticNoise`, `TargetScaling`;
-* convolutional layers: `Conv1DDVI`, `Conv2DDVI`, `Conv1DTransposeDVI`, `Conv2DTransposeDVI`,
+* convolutional layers (and the 3D ones, `Conv3DDVI`, ..., `UpSampling3DDVI`): `Conv1DDVI`,
+  `Conv2DDVI`, `Conv1DTransposeDVI`, `Conv2DTransposeDVI`,
   `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
   `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
@@ -76,6 +77,15 @@ _EXPORTS = {
     "Conv2DTransposeDVI": "keras_dvi.layers",
     "UpSampling1DDVI": "keras_dvi.layers",
     "UpSampling2DDVI": "keras_dvi.layers",
+    "Conv3DDVI": "keras_dvi.layers",
+    "Conv3DTransposeDVI": "keras_dvi.layers",
+    "MaxPooling3DDVI": "keras_dvi.layers",
+    "AveragePooling3DDVI": "keras_dvi.layers",
+    "GlobalAveragePooling3DDVI": "keras_dvi.layers",
+    "GlobalMaxPooling3DDVI": "keras_dvi.layers",
+    "ZeroPadding3DDVI": "keras_dvi.layers",
+    "Cropping3DDVI": "keras_dvi.layers",
+    "UpSampling3DDVI": "keras_dvi.layers",
     "GlobalInducingDense": "keras_dvi.layers",
     "GlobalInducingConv2D": "keras_dvi.layers",
     "InducingInputs": "keras_dvi.layers",

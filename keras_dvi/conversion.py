@@ -17,19 +17,24 @@ _POOLING = {
     keras.layers.MaxPooling2D: dvi.MaxPooling2DDVI,
     keras.layers.AveragePooling1D: dvi.AveragePooling1DDVI,
     keras.layers.AveragePooling2D: dvi.AveragePooling2DDVI,
+    keras.layers.MaxPooling3D: dvi.MaxPooling3DDVI,
+    keras.layers.AveragePooling3D: dvi.AveragePooling3DDVI,
 }
 _GLOBAL_POOLING = {
     keras.layers.GlobalAveragePooling1D: dvi.GlobalAveragePooling1DDVI,
     keras.layers.GlobalAveragePooling2D: dvi.GlobalAveragePooling2DDVI,
     keras.layers.GlobalMaxPooling1D: dvi.GlobalMaxPooling1DDVI,
     keras.layers.GlobalMaxPooling2D: dvi.GlobalMaxPooling2DDVI,
+    keras.layers.GlobalAveragePooling3D: dvi.GlobalAveragePooling3DDVI,
+    keras.layers.GlobalMaxPooling3D: dvi.GlobalMaxPooling3DDVI,
 }
 #: The max poolings, onto which the ReLU of a convolution moves (`_pooled_producer`).
-_MAX_POOLING = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.GlobalMaxPooling1D,
-                keras.layers.GlobalMaxPooling2D)
-_CONV = {keras.layers.Conv1D: dvi.Conv1DDVI, keras.layers.Conv2D: dvi.Conv2DDVI,
-         keras.layers.Conv1DTranspose: dvi.Conv1DTransposeDVI, keras.layers.Conv2DTranspose: dvi.Conv2DTransposeDVI}
-_TRANSPOSED = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose)
+_MAX_POOLING = (keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
+                keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D, keras.layers.GlobalMaxPooling3D)
+_CONV = {keras.layers.Conv1D: dvi.Conv1DDVI, keras.layers.Conv2D: dvi.Conv2DDVI, keras.layers.Conv3D: dvi.Conv3DDVI,
+         keras.layers.Conv1DTranspose: dvi.Conv1DTransposeDVI, keras.layers.Conv2DTranspose: dvi.Conv2DTransposeDVI,
+         keras.layers.Conv3DTranspose: dvi.Conv3DTransposeDVI}
+_TRANSPOSED = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)
 #: Zero padding, cropping and upsampling: `(keras-dvi class, name of the argument)`.
 _RESHAPING = {
     keras.layers.ZeroPadding1D: (dvi.ZeroPadding1DDVI, "padding"),
@@ -38,9 +43,13 @@ _RESHAPING = {
     keras.layers.Cropping2D: (dvi.Cropping2DDVI, "cropping"),
     keras.layers.UpSampling1D: (dvi.UpSampling1DDVI, "size"),
     keras.layers.UpSampling2D: (dvi.UpSampling2DDVI, "size"),
+    keras.layers.ZeroPadding3D: (dvi.ZeroPadding3DDVI, "padding"),
+    keras.layers.Cropping3D: (dvi.Cropping3DDVI, "cropping"),
+    keras.layers.UpSampling3D: (dvi.UpSampling3DDVI, "size"),
 }
 #: Layers that do nothing at inference (keras-dvi layers model the weight noise themselves).
 _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
+                       keras.layers.SpatialDropout3D,
                        keras.layers.GaussianNoise, keras.layers.GaussianDropout, keras.layers.AlphaDropout,
                        keras.layers.ActivityRegularization, keras.layers.Identity)
 #: Layers with no accurate Gaussian moment rule (and their subclasses: LSTM, GRU, ...), and why:
@@ -257,15 +266,15 @@ def _is_pointwise(layer):
 
 
 def _pointwise_conv(dense):
-    """The `Conv1D` / `Conv2D` of kernel size 1, built with its weights, that a `Dense` on a
-    sequence or an image is."""
+    """The `Conv1D` / `Conv2D` / `Conv3D` of kernel size 1, built with its weights, that a
+    `Dense` on a sequence, an image or a volume is."""
     rank = len(dense.input.shape) - 2
-    if rank > 2:
+    if rank > 3:
         raise ValueError(f"keras_dvi.convert: Dense {dense.name!r} acts on inputs of shape {tuple(dense.input.shape)}; "
-                         "keras-dvi converts a Dense on vectors, on sequences (a Conv1D of kernel size 1) and on "
-                         "images (a 1x1 Conv2D).")
+                         "keras-dvi converts a Dense on vectors, on sequences (a Conv1D of kernel size 1), on "
+                         "images (a 1x1 Conv2D) and on volumes (a 1x1x1 Conv3D).")
     kernel = keras.ops.convert_to_numpy(dense.kernel)
-    conv = (keras.layers.Conv1D if rank == 1 else keras.layers.Conv2D)(
+    conv = {1: keras.layers.Conv1D, 2: keras.layers.Conv2D, 3: keras.layers.Conv3D}[rank](
         dense.units, 1, activation=dense.activation, use_bias=dense.use_bias, name=dense.name,
         dtype=dense.dtype_policy)
     conv.build((None,) * (rank + 1) + (kernel.shape[0],))
@@ -773,12 +782,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | plain layer | keras-dvi layer |
     |---|---|
     | `Dense` | `DenseDiagDVI` (hidden layers; `hidden_covariance="full"`: `DenseDVI`), `DenseDVI` (model outputs) |
-    | `Dense` on a sequence or an image | `Conv1DDVI` of kernel size 1, 1x1 `Conv2DDVI` (the same function) |
-    | `Conv1D`, `Conv2D` | `Conv1DDVI`, `Conv2DDVI` (strides, padding, dilation, data format kept) |
+    | `Dense` on a sequence, an image or a volume | `Conv1DDVI` of kernel size 1, 1x1 `Conv2DDVI`, 1x1x1 `Conv3DDVI` (the same function) |
+    | `Conv1D`, `Conv2D`, `Conv3D` | `Conv1DDVI`, `Conv2DDVI`, `Conv3DDVI` (strides, padding, dilation, data format kept) |
     | `DepthwiseConv2D`, a `Conv2D` with one group per input channel (ConvNeXt's) | `DepthwiseConv2DDVI` |
     | `SeparableConv2D` | `DepthwiseConv2DDVI`, then a 1x1 `Conv2DDVI` |
     | `MaxPooling*D`, `AveragePooling*D`, `GlobalAveragePooling*D`, `GlobalMaxPooling*D`, `Flatten`, `Add` | their keras-dvi counterparts |
-    | `Conv1DTranspose`, `Conv2DTranspose` | `Conv1DTransposeDVI`, `Conv2DTransposeDVI` |
+    | `Conv1DTranspose`, `Conv2DTranspose`, `Conv3DTranspose` | `Conv1DTransposeDVI`, `Conv2DTransposeDVI`, `Conv3DTransposeDVI` |
     | `ZeroPadding*D`, `Cropping*D`, `UpSampling*D` (any interpolation), `Concatenate` (channels) | `ZeroPadding*DDVI`, `Cropping*DDVI`, `UpSampling*DDVI`, `ConcatenateDVI` |
     | `Add` of vectors (residual MLPs), `Concatenate` of vectors and inputs (wide and deep) | `AddDVI`, `ConcatenateDVI` |
     | a sum of two tensors written `x + y` (ConvNeXt's residual sums) | `AddDVI` |
@@ -971,7 +980,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         else:
             raise ValueError(
                 f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) has no keras-dvi counterpart. "
-                "Supported: Dense, Conv1D, Conv2D (and their transposed forms), pooling, global average pooling, "
+                "Supported: Dense, Conv1D, Conv2D, Conv3D (and their transposed forms), pooling, global average pooling, "
                 "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
                 "(vectors, or channels), ZeroPadding, Cropping, UpSampling, batch normalisation (folded, or on feature maps and "
                 "vectors), layer normalisation (of channels or units), layer scales (folded), folded "

@@ -98,6 +98,10 @@ JAX_SUITE = [
     "tests/test_dense_prediction.py::test_binary_segmentation_and_per_pixel_regression_convert",
     # interpolated upsampling: the weights read off the backend's own resize
     "tests/test_dense_prediction.py::test_interpolated_upsampling_is_keras_upsampling_on_data_and_on_samples[lanczos3]",
+    # volumes: the window sums (Keras' depthwise convolution has no 3D form), a strided 3D
+    # convolution's moments against the backend's grouped 3D convolutions
+    "tests/test_volumes.py::test_window_sums_of_volumes_are_convolutions_with_ones",
+    "tests/test_volumes.py::test_first_volume_layer_moments_are_exact[strided]",
     # layer normalisation: gradients at the edges, both data formats, fit and save; a converted ConvNeXt
     "tests/test_layer_normalization.py::test_edges_are_finite_with_finite_gradients",
     "tests/test_layer_normalization.py::test_channels_first_computes_the_same_trains_and_saves",

@@ -8,6 +8,7 @@ from keras import ops
 
 from keras_dvi import packing
 from keras_dvi.layers.feature_map import MapLayer, integers
+from keras_dvi.layers.pooling_dvi import DIMS
 from keras_dvi.maths import conv_moments
 
 
@@ -160,6 +161,16 @@ class UpSampling1DDVI(UpSamplingDVI):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
+class UpSampling3DDVI(UpSamplingDVI):
+    __doc__ = _UPSAMPLING_DOC.format(rank=3, pair=" or a tuple of 3 (depth, rows, cols)", dims=DIMS[3],
+                                     interpolation="", interpolation_how="", example="", nearest="Exact per unit")
+    rank = 3
+
+    def __init__(self, size=2, data_format=None, **kwargs):
+        super().__init__(size=size, data_format=data_format, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
 class UpSampling2DDVI(UpSamplingDVI):
     __doc__ = _UPSAMPLING_DOC.format(
         rank=2, pair=" or a tuple of 2 (rows, cols)", dims="rows, cols", nearest="Nearest neighbour (the default) is exact per unit",
@@ -208,9 +219,9 @@ def _doc(kind, rank):
         what="Zero padding" if pad else "Cropping", rank=rank, keras_name=f"{kind}{rank}D",
         how=_PAD_HOW if pad else _CROP_HOW, argument="padding" if pad else "cropping",
         pair="; for 1D a pair `(before, after)`" if rank == 1 else "",
-        dims="steps" if rank == 1 else "rows, cols",
+        dims=DIMS[rank],
         change="longer by its two paddings" if pad else "shorter by its two croppings",
-        name=f"{kind}{rank}DDVI", example="(1)" if rank == 1 else "((1, 1), (2, 2))")
+        name=f"{kind}{rank}DDVI", example={1: "(1)", 2: "((1, 1), (2, 2))", 3: "(1)"}[rank])
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
@@ -235,3 +246,15 @@ class Cropping1DDVI(CroppingDVI):
 class Cropping2DDVI(CroppingDVI):
     __doc__ = _doc("Cropping", 2)
     rank = 2
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class ZeroPadding3DDVI(ZeroPaddingDVI):
+    __doc__ = _doc("ZeroPadding", 3)
+    rank = 3
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class Cropping3DDVI(CroppingDVI):
+    __doc__ = _doc("Cropping", 3)
+    rank = 3

@@ -164,8 +164,13 @@ _MAX_ARGS = """
             `"silu"`, `"gelu"`, `"sigmoid"` or `"tanh"`, applied to the max (see above)."""
 
 
+#: The names of a map's spatial axes, by rank (docstrings).
+DIMS = {1: "steps", 2: "rows, cols", 3: "depth, rows, cols"}
+
+
 def _doc(kind, rank, how):
-    dims, new_dims = ("steps", "new_steps") if rank == 1 else ("rows, cols", "new_rows, new_cols")
+    dims = DIMS[rank]
+    new_dims = ", ".join("new_" + d for d in dims.split(", "))
     return _POOL_DOC.format(kind=kind, rank=rank, keras_name=f"{kind}Pooling{rank}D", how=how.format(rank=rank),
                             dims=dims, new_dims=new_dims, extra_args=_MAX_ARGS if kind == "Max" else "")
 
@@ -183,6 +188,12 @@ class MaxPooling2DDVI(MaxPoolingDVI):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
+class MaxPooling3DDVI(MaxPoolingDVI):
+    __doc__ = _doc("Max", 3, _MAX_HOW)
+    rank = 3
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
 class AveragePooling1DDVI(AveragePoolingDVI):
     __doc__ = _doc("Average", 1, _AVERAGE_HOW)
     rank = 1
@@ -192,6 +203,12 @@ class AveragePooling1DDVI(AveragePoolingDVI):
 class AveragePooling2DDVI(AveragePoolingDVI):
     __doc__ = _doc("Average", 2, _AVERAGE_HOW)
     rank = 2
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class AveragePooling3DDVI(AveragePoolingDVI):
+    __doc__ = _doc("Average", 3, _AVERAGE_HOW)
+    rank = 3
 
 
 class GlobalAveragePoolingDVI(MapLayer):
@@ -301,3 +318,15 @@ class GlobalAveragePooling1DDVI(GlobalAveragePoolingDVI):
 class GlobalAveragePooling2DDVI(GlobalAveragePoolingDVI):
     __doc__ = _GLOBAL_DOC.format(rank=2, dims="rows, cols")
     rank = 2
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class GlobalMaxPooling3DDVI(GlobalMaxPoolingDVI):
+    __doc__ = _GLOBAL_MAX_DOC.format(rank=3, dims=DIMS[3])
+    rank = 3
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class GlobalAveragePooling3DDVI(GlobalAveragePoolingDVI):
+    __doc__ = _GLOBAL_DOC.format(rank=3, dims=DIMS[3])
+    rank = 3

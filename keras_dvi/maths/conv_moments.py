@@ -91,9 +91,17 @@ def window_sum(x, window, strides=1, padding="valid", dilation_rate=1):
     """The sum of `x` over each window of a convolution or pooling (zero padding), per channel:
     a depthwise convolution with a kernel of ones."""
     rank = len(x.shape) - 2
-    ones = ops.ones(_tuple(window, rank) + (x.shape[-1], 1), dtype=x.dtype)
-    return ops.depthwise_conv(x, ones, strides=strides, padding=padding, data_format="channels_last",
-                              dilation_rate=dilation_rate)
+    if rank <= 2:
+        ones = ops.ones(_tuple(window, rank) + (x.shape[-1], 1), dtype=x.dtype)
+        return ops.depthwise_conv(x, ones, strides=strides, padding=padding, data_format="channels_last",
+                                  dilation_rate=dilation_rate)
+    # (Keras' depthwise convolution has one or two spatial axes: the channels go to the batch)
+    channels, shape = x.shape[-1], ops.shape(x)
+    rows = ops.reshape(ops.moveaxis(x, -1, 1), (-1,) + tuple(shape[1:-1]) + (1,))
+    ones = ops.ones(_tuple(window, rank) + (1, 1), dtype=x.dtype)
+    sums = ops.conv(rows, ones, strides=strides, padding=padding, data_format="channels_last",
+                    dilation_rate=dilation_rate)
+    return ops.moveaxis(ops.reshape(sums, (shape[0], channels) + tuple(ops.shape(sums)[1:-1])), 1, -1)
 
 
 def _coverage(size, window, stride, padding, dilation):
