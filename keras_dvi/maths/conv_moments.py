@@ -636,6 +636,79 @@ def scale_moments(mean, variance, shared, gate_mean, gate_variance):
     return mean * gate_mean, variance_out, _clip_shared(shared_out, variance_out)
 
 
+def group_norm_moments(mean, variance, shared, groups, epsilon):
+    """Moments of group normalisation, `y = (x - x_bar) / sqrt(s^2 + epsilon)` with `x_bar`,
+    `s^2` the mean and (biased) variance of the `n = positions * channels / groups` units of
+    each group of channels over every position (`keras.layers.GroupNormalization` before its
+    per-channel scale and shift; `groups = channels` is instance normalisation).
+
+    As `moments.layer_norm_moments`, with the group's units correlated through their channels'
+    shared factors. Unit `u` of channel `c`, `x_u = m_u + s_u z_c + e_u`:
+
+    * the centring is linear, exact: `x~_u` loads `s_u - S_c / n` on its own channel's factor
+      and `-S_c' / n` on each other channel's of the group (`S_c`: the sum of channel `c`'s
+      shared components), and its independent part is `e_u - e_bar`;
+    * the statistic is taken at its expectation, `S = mean(m~^2) + (sum_c (sum_q s_qc^2 -
+      S_c^2 / n) + sum_u Var(e_u - e_bar)) / n`, and the map is linearised about the means:
+      `J = r (I - a a^T / n)`, `r = (S + epsilon)^(-1/2)`, `a = r m~`;
+    * so a unit's load on factor `c'` becomes `r (lambda_uc' - a_u Lambda_c' / n)`, with
+      `Lambda_c' = sum_q a_qc' s_qc'`. The load on its own channel's factor is its shared
+      component; the loads on the group's other channels' factors, `O(1 / n)` each, join its
+      independent part (as in `layer_norm_moments`); the independent parts map through `J`
+      as in `layer_norm_moments`' diagonal rule.
+
+    Exact when the variances vanish (the plain layer's function).
+
+    Args:
+        mean, variance, shared: `(batch, *spatial, channels)` (no spatial axis: a vector of
+            independent units, shared components 0).
+        groups: the number of groups, dividing `channels`.
+        epsilon: added to the normaliser, as in Keras.
+
+    Returns:
+        `(mean, variance, shared)`, each of the input's shape.
+    """
+    shape = ops.shape(mean)
+    per_group = int(mean.shape[-1]) // groups
+    grouped = lambda t: ops.reshape(t, (shape[0], -1, groups, per_group))  # noqa: E731  (batch, positions, G, k)
+    m, s = grouped(mean), grouped(shared)
+    independent = ops.maximum(grouped(variance) - ops.square(s), 0.0)
+    axes = (1, 3)
+    units = ops.cast(ops.shape(m)[1] * per_group, mean.dtype)  # n
+    group_sum = lambda t: ops.sum(t, axis=axes, keepdims=True)  # noqa: E731
+    centred = m - group_sum(m) / units
+    spread = independent * (1.0 - 2.0 / units) + group_sum(independent) / ops.square(units)
+    channel_shared = ops.sum(s, axis=1, keepdims=True)  # S_c, (batch, 1, G, k)
+    shared_spread = group_sum(ops.square(s)) - ops.sum(ops.square(channel_shared), axis=3, keepdims=True) / units
+    statistic = (group_sum(ops.square(centred)) + shared_spread + group_sum(spread)) / units
+    rate = ops.rsqrt(statistic + epsilon)
+    a = centred * rate
+    va = independent * a
+    u = va - group_sum(va) / units
+    out = ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * group_sum(va * a) / ops.square(units))
+    loads = ops.sum(a * s, axis=1, keepdims=True)  # Lambda_c
+    own = rate * (s - channel_shared / units - a * loads / units)
+    channel = lambda t: ops.sum(t, axis=3, keepdims=True)  # noqa: E731
+    others = ops.square(rate / units) * (channel(ops.square(channel_shared)) + 2.0 * a * channel(channel_shared * loads)
+                                         + ops.square(a) * channel(ops.square(loads))
+                                         - ops.square(channel_shared + a * loads))
+    variance_out = out + ops.maximum(others, 0.0) + ops.square(own)
+    back = lambda t: ops.reshape(t, shape)  # noqa: E731
+    return back(a), back(variance_out), back(own)
+
+
+def group_normalize(x, groups, epsilon, rank):
+    """`keras.layers.GroupNormalization`'s normalisation of `x` (channels last, `rank` spatial
+    axes before them, any leading axes: samples, batch; before its scale and shift): each group
+    of `channels / groups` channels over every position, `(x - mean) / sqrt(var + epsilon)`.
+    The sampled form of `group_norm_moments`."""
+    shape = ops.shape(x)
+    leading = tuple(shape[:len(x.shape) - rank - 1])
+    grouped = ops.reshape(x, leading + (-1, groups, int(x.shape[-1]) // groups))
+    mean, variance = ops.moments(grouped, axes=(-3, -1), keepdims=True)
+    return ops.reshape((grouped - mean) * ops.rsqrt(variance + epsilon), shape)
+
+
 def pad_moments(mean, variance, shared, pads):
     """Zero padding: the new units are the constant 0 (mean, variance and shared component 0),
     the others unchanged; exact.
