@@ -12,7 +12,7 @@ networks without gradients. The public API, by topic:
   `DepthwiseConv2DDVI`, `MaxPooling1DDVI`, `MaxPooling2DDVI`,
   `AveragePooling1DDVI`, `AveragePooling2DDVI`, `GlobalAveragePooling1DDVI`,
   `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
-  `BatchNormalizationDVI`, `LayerNormalizationDVI`, `GroupNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
+  `BatchNormalizationDVI`, `LayerNormalizationDVI`, `RMSNormalizationDVI`, `GroupNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`, `UpSampling1DDVI`, `UpSampling2DDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
@@ -78,6 +78,7 @@ _EXPORTS = {
     "UpSampling1DDVI": "keras_dvi.layers",
     "UpSampling2DDVI": "keras_dvi.layers",
     "GroupNormalizationDVI": "keras_dvi.layers",
+    "RMSNormalizationDVI": "keras_dvi.layers",
     "Conv3DDVI": "keras_dvi.layers",
     "Conv3DTransposeDVI": "keras_dvi.layers",
     "MaxPooling3DDVI": "keras_dvi.layers",

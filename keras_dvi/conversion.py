@@ -489,7 +489,7 @@ def _takes_activation(layer, graph):
     (keras-dvi's counterparts apply their own `activation`)."""
     return (_is_weight_layer(layer) or id(layer) in graph.sums
             or isinstance(layer, (*_MAX_POOLING, keras.layers.Add, keras.layers.LayerNormalization,
-                                  keras.layers.GroupNormalization)))
+                                  keras.layers.GroupNormalization, keras.layers.RMSNormalization)))
 
 
 def _operation_activations(graph, plain):
@@ -802,6 +802,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | a layer that multiplies each channel by its one weight (ConvNeXt's `LayerScale`) after a linear `Dense` or convolution that feeds it alone | folded into its weights |
     | `LayerNormalization` of a feature map's channels or a vector's units | `LayerNormalizationDVI` |
     | `GroupNormalization` (instance normalisation: `groups=-1`) of a feature map's channels or a vector's units | `GroupNormalizationDVI` |
+    | `RMSNormalization` of a feature map's channels or a vector's units | `RMSNormalizationDVI` |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
@@ -957,6 +958,16 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                     "up to it plain, convert only the layers after it (`last_layers=k`).")
             converted = dvi.LayerNormalizationDVI.from_layer_normalization(
                 layer, activation=None if act == "linear" else act, data_format=first_format)
+        elif isinstance(layer, keras.layers.RMSNormalization):
+            vector = len(layer.input.shape) == 2 or key in vectors
+            if not _on_channels(layer, layer.axis, "channels_last" if vector else first_format):
+                raise ValueError(
+                    f"keras_dvi.convert: RMSNormalization {layer.name!r} must normalise the channels of a feature map "
+                    f"or the units of a vector (keras_dvi.RMSNormalizationDVI); it has axis={layer.axis!r} on inputs "
+                    f"of shape {tuple(layer.input.shape)}. To keep the layers up to it plain, convert only the layers "
+                    "after it (`last_layers=k`).")
+            converted = dvi.RMSNormalizationDVI.from_rms_normalization(
+                layer, activation=None if act == "linear" else act, data_format=first_format)
         elif isinstance(layer, keras.layers.GroupNormalization):
             vector = len(layer.input.shape) == 2 or key in vectors
             if not _on_channels(layer, layer.axis, "channels_last" if vector else first_format):
@@ -995,7 +1006,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "Supported: Dense, Conv1D, Conv2D, Conv3D (and their transposed forms), pooling, global average pooling, "
                 "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
                 "(vectors, or channels), ZeroPadding, Cropping, UpSampling, batch normalisation (folded, or on feature maps and "
-                "vectors), layer and group normalisation (of channels or units), layer scales (folded), folded "
+                "vectors), layer, RMS and group normalisation (of channels or units), layer scales (folded), folded "
                 "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
                 "layer with weights. To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")

@@ -24,7 +24,7 @@ from keras_dvi.layers.group_normalization_dvi import GroupNormalizationDVI
 from keras_dvi.layers.global_inducing_dense import GlobalInducingDense
 from keras_dvi.layers.global_inducing_dvi import GlobalInducingDenseDVI
 from keras_dvi.layers.inducing_inputs import InducingInputs
-from keras_dvi.layers.layer_normalization_dvi import LayerNormalizationDVI
+from keras_dvi.layers.layer_normalization_dvi import LayerNormalizationDVI, RMSNormalizationDVI
 from keras_dvi.layers.multiply_dvi import MultiplyDVI
 from keras_dvi.layers.homoscedastic_noise import HomoscedasticNoise
 from keras_dvi.layers.padding_dvi import (
@@ -61,7 +61,7 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "Conv1DDVI", "Conv2DDVI", "Conv1DMCVI", "Conv2DMCVI", "MaxPooling1DDVI", "MaxPooling2DDVI",
            "AveragePooling1DDVI", "AveragePooling2DDVI", "GlobalAveragePooling1DDVI", "GlobalAveragePooling2DDVI",
            "GlobalMaxPooling1DDVI", "GlobalMaxPooling2DDVI",
-           "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "LayerNormalizationDVI", "GroupNormalizationDVI", "ZeroPadding1DDVI",
+           "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "LayerNormalizationDVI", "GroupNormalizationDVI", "RMSNormalizationDVI", "ZeroPadding1DDVI",
            "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI",
            "Conv1DTransposeDVI", "Conv2DTransposeDVI", "UpSampling1DDVI", "UpSampling2DDVI",
            "Conv3DDVI", "Conv3DTransposeDVI", "MaxPooling3DDVI", "AveragePooling3DDVI", "GlobalAveragePooling3DDVI", "GlobalMaxPooling3DDVI", "ZeroPadding3DDVI", "Cropping3DDVI", "UpSampling3DDVI"]

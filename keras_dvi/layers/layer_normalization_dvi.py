@@ -1,4 +1,5 @@
-"""`LayerNormalizationDVI`: layer normalisation of keras-dvi feature maps and vectors."""
+"""`LayerNormalizationDVI` and `RMSNormalizationDVI`: layer and RMS normalisation of keras-dvi
+feature maps and vectors."""
 
 import keras
 from keras import ops
@@ -62,6 +63,8 @@ class LayerNormalizationDVI(MapLayer):
         self.activation = moments.canonical_activation(activation)
 
     _reads_vectors = True
+    #: Whether the layer centres its input (`False`: RMS normalisation, `RMSNormalizationDVI`).
+    _centres = True
 
     def build(self, input_shape):
         channels = self._channels(input_shape)
@@ -82,11 +85,11 @@ class LayerNormalizationDVI(MapLayer):
         return get(self.gamma, 1.0), get(self.beta, 0.0)
 
     def _propagate_vector(self, mean, second):
-        normalised = moments.layer_norm_moments(mean, second, self.epsilon)
+        normalised = moments.layer_norm_moments(mean, second, self.epsilon, center=self._centres)
         return affine_vector(*normalised, *self.affine(mean), self.activation)
 
     def _propagate(self, mean, variance, shared):
-        normalised = moments.layer_norm_moments(mean, variance, self.epsilon, shared=shared)
+        normalised = moments.layer_norm_moments(mean, variance, self.epsilon, shared=shared, center=self._centres)
         return affine_map(*normalised, *self.affine(mean), self.activation)
 
     def _sample(self, samples):
@@ -106,4 +109,66 @@ class LayerNormalizationDVI(MapLayer):
         config = super().get_config()
         config.update(epsilon=self.epsilon, center=self.center, scale=self.scale,
                       activation=None if self.activation == "linear" else self.activation)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class RMSNormalizationDVI(LayerNormalizationDVI):
+    """RMS normalisation of a keras-dvi feature map's channels (or a vector's units):
+    `y = scale x / sqrt(mean(x^2) + epsilon)` over the channels at each position, as
+    `keras.layers.RMSNormalization` on the channel axis (the normalisation of recent
+    Transformers and MLPs), then an optional activation.
+
+    The moments are `LayerNormalizationDVI`'s without the centring
+    (`keras_dvi.maths.moments.layer_norm_moments(..., center=False)`): the statistic
+    `mean(x^2)` taken at its expectation, the map linearised about the means (the delta
+    method). With the posterior variances at zero it is the plain layer's function; against
+    Monte Carlo through Keras' layer the variances are within the bands of layer
+    normalisation (`tests/test_layer_normalization.py`). `scale` trains as a point estimate (no
+    prior, no KL).
+
+    Args:
+        epsilon: added to the mean square (default 1e-6, Keras' default).
+        activation: `None` (default) or an activation of `keras_dvi.ActivationDVI`, applied
+            after the normalisation (with a full covariance input: `"relu"`, `"heaviside"`,
+            `"leaky_relu"` or `None`).
+        data_format: `"channels_last"` or `"channels_first"` (where a feature map's channels
+            are, the axis normalised); `None` (default) is `keras.config.image_data_format()`.
+
+    Input shape:
+        A packed feature map `(batch, 3, *spatial, channels)` (channels first:
+        `(batch, 3, channels, *spatial)`), or a dense keras-dvi output `(batch, 2, K)` /
+        `(batch, K + 1, K)`.
+
+    Output shape:
+        Packed, as the input.
+
+    Examples:
+        >>> h = keras_dvi.DenseDiagDVI(64, regularizer=prior)(inputs)
+        >>> h = keras_dvi.RMSNormalizationDVI(activation="silu")(h)
+    """
+
+    _centres = False
+
+    def __init__(self, epsilon=1e-6, activation=None, data_format=None, **kwargs):
+        kwargs.pop("center", None), kwargs.pop("scale", None)  # (fixed: a scale, no shift)
+        super().__init__(epsilon=epsilon, center=False, scale=True, activation=activation, data_format=data_format,
+                         **kwargs)
+
+    def _sample(self, samples):
+        scale, _ = self.affine(samples)
+        normalised = ops.rms_normalization(samples, axis=-1, epsilon=self.epsilon)  # (Keras' own function)
+        return apply_activation(normalised * scale, self.activation)
+
+    @classmethod
+    def from_rms_normalization(cls, layer, activation=None, data_format=None, **kwargs):
+        """The keras-dvi counterpart of a built `keras.layers.RMSNormalization` on the channel
+        axis of a feature map (or a vector's units), with its weights (what `keras_dvi.convert`
+        uses)."""
+        return from_plain(cls, layer, epsilon=layer.epsilon, activation=activation, data_format=data_format,
+                          name=kwargs.pop("name", layer.name), **kwargs)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("center"), config.pop("scale")
         return config

@@ -1096,7 +1096,7 @@ def concatenate_moments(parts):
     return mean, ops.concatenate(rows, axis=-2)
 
 
-def layer_norm_moments(mean, second, epsilon, shared=None):
+def layer_norm_moments(mean, second, epsilon, shared=None, center=True):
     """Moments of layer normalisation over the last axis of Gaussian units,
     `y = (x - x_bar) / sqrt(s^2 + epsilon)` with `x_bar`, `s^2` the mean and the (biased)
     variance of the `C` units of `x` (`keras.layers.LayerNormalization(axis=-1)` before its
@@ -1121,20 +1121,28 @@ def layer_norm_moments(mean, second, epsilon, shared=None):
             (`keras_dvi.maths.conv_moments`; each channel's factor is independent of the
             others'), or `None`. The output's component on channel `c`'s factor is
             `r s (1 - (1 + a^2) / C)`, the linearised map's.
+        center: `False` for RMS normalisation, `y = x / sqrt(mean(x^2) + epsilon)`
+            (`keras.layers.RMSNormalization` before its scale): no centring, the statistic
+            `S = mean(m^2) + tr(Cov(x)) / C`, `J = r (I - a a^T / C)` with `a = r m`, and the
+            shared factor `r s (1 - a^2 / C)`.
 
     Returns:
         `(mean, second)`, or `(mean, variance, shared)` when `shared` is given.
     """
     units = int(mean.shape[-1])
-    centred = mean - ops.mean(mean, axis=-1, keepdims=True)
+    centred = mean - ops.mean(mean, axis=-1, keepdims=True) if center else mean
     full = len(second.shape) == len(mean.shape) + 1
-    if full:  # P Cov P, P = I - 1 1^T / C
+    if full and center:  # P Cov P, P = I - 1 1^T / C
         rows = ops.mean(second, axis=-1)
         second = (second - ops.expand_dims(rows, -1) - ops.expand_dims(rows, -2)
                   + ops.mean(rows, axis=-1)[..., None, None])
         spread = diagonal(second)
-    else:
+    elif full:
+        spread = diagonal(second)
+    elif center:
         spread = second * (1.0 - 2.0 / units) + ops.sum(second, axis=-1, keepdims=True) / units**2
+    else:
+        spread = second
     statistic = ops.mean(ops.square(centred) + spread, axis=-1, keepdims=True)
     rate = ops.rsqrt(statistic + epsilon)
     a = centred * rate
@@ -1144,14 +1152,14 @@ def layer_norm_moments(mean, second, epsilon, shared=None):
         outer = lambda x, y: ops.expand_dims(x, -1) * ops.expand_dims(y, -2)  # noqa: E731
         out = ops.expand_dims(ops.square(rate), -1) * (
             second - (outer(a, u) + outer(u, a)) / units + outer(a, a) * quadratic / units**2)
-    else:  # the diagonal of the same, with Cov~ = P diag(v) P: u = P (v a)
+    else:  # the diagonal of the same, with Cov~ = P diag(v) P: u = P (v a) (RMS: P = I)
         va = second * a
-        u = va - ops.mean(va, axis=-1, keepdims=True)
+        u = va - ops.mean(va, axis=-1, keepdims=True) if center else va
         quadratic = ops.sum(va * a, axis=-1, keepdims=True)
         out = ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * quadratic / units**2)
     if shared is None:
         return a, out
-    return a, out, shared * rate * (1.0 - (1.0 + ops.square(a)) / units)
+    return a, out, shared * rate * (1.0 - ((1.0 if center else 0.0) + ops.square(a)) / units)
 
 
 def diag_embed(variance):
