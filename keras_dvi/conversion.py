@@ -47,6 +47,13 @@ _RESHAPING = {
     keras.layers.Cropping3D: (dvi.Cropping3DDVI, "cropping"),
     keras.layers.UpSampling3D: (dvi.UpSampling3DDVI, "size"),
 }
+#: Normalisations of a feature map's channels or a vector's units: `(keras-dvi class, the name of
+#: its constructor from the built plain layer)`.
+_NORMALISATIONS = {
+    keras.layers.LayerNormalization: (dvi.LayerNormalizationDVI, "from_layer_normalization"),
+    keras.layers.RMSNormalization: (dvi.RMSNormalizationDVI, "from_rms_normalization"),
+    keras.layers.GroupNormalization: (dvi.GroupNormalizationDVI, "from_group_normalization"),
+}
 #: Layers that do nothing at inference (keras-dvi layers model the weight noise themselves).
 _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, keras.layers.SpatialDropout2D,
                        keras.layers.SpatialDropout3D,
@@ -485,11 +492,10 @@ def _elementwise_activation(start, end):
 
 def _takes_activation(layer, graph):
     """Whether an activation after `layer` (of `graph`) folds into it: a `Dense`, a
-    convolution, a max pooling, an `Add` (or a sum written `x + y`) or a layer normalisation
-    (keras-dvi's counterparts apply their own `activation`)."""
+    convolution, a max pooling, an `Add` (or a sum written `x + y`) or a layer, RMS or group
+    normalisation (keras-dvi's counterparts apply their own `activation`)."""
     return (_is_weight_layer(layer) or id(layer) in graph.sums
-            or isinstance(layer, (*_MAX_POOLING, keras.layers.Add, keras.layers.LayerNormalization,
-                                  keras.layers.GroupNormalization, keras.layers.RMSNormalization)))
+            or isinstance(layer, (*_MAX_POOLING, keras.layers.Add, *_NORMALISATIONS)))
 
 
 def _operation_activations(graph, plain):
@@ -947,37 +953,19 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 raise ValueError(f"keras_dvi.convert: Concatenate {layer.name!r} must join vectors, or feature maps "
                                  "along their channels (keras_dvi.ConcatenateDVI).")
             converted = dvi.ConcatenateDVI(data_format=first_format, name=layer.name)
-        elif isinstance(layer, keras.layers.LayerNormalization):
+        elif isinstance(layer, tuple(_NORMALISATIONS)):
+            counterpart, constructor = next(v for k, v in _NORMALISATIONS.items() if isinstance(layer, k))
             vector = len(layer.input.shape) == 2 or key in vectors
             if getattr(layer, "rms_scaling", False) or not _on_channels(
                     layer, layer.axis, "channels_last" if vector else first_format):
                 raise ValueError(
-                    f"keras_dvi.convert: LayerNormalization {layer.name!r} must normalise the channels of a feature "
-                    "map or the units of a vector (keras_dvi.LayerNormalizationDVI), without `rms_scaling`; it "
-                    f"has axis={layer.axis!r} on inputs of shape {tuple(layer.input.shape)}. To keep the layers "
-                    "up to it plain, convert only the layers after it (`last_layers=k`).")
-            converted = dvi.LayerNormalizationDVI.from_layer_normalization(
-                layer, activation=None if act == "linear" else act, data_format=first_format)
-        elif isinstance(layer, keras.layers.RMSNormalization):
-            vector = len(layer.input.shape) == 2 or key in vectors
-            if not _on_channels(layer, layer.axis, "channels_last" if vector else first_format):
-                raise ValueError(
-                    f"keras_dvi.convert: RMSNormalization {layer.name!r} must normalise the channels of a feature map "
-                    f"or the units of a vector (keras_dvi.RMSNormalizationDVI); it has axis={layer.axis!r} on inputs "
-                    f"of shape {tuple(layer.input.shape)}. To keep the layers up to it plain, convert only the layers "
-                    "after it (`last_layers=k`).")
-            converted = dvi.RMSNormalizationDVI.from_rms_normalization(
-                layer, activation=None if act == "linear" else act, data_format=first_format)
-        elif isinstance(layer, keras.layers.GroupNormalization):
-            vector = len(layer.input.shape) == 2 or key in vectors
-            if not _on_channels(layer, layer.axis, "channels_last" if vector else first_format):
-                raise ValueError(
-                    f"keras_dvi.convert: GroupNormalization {layer.name!r} must group the channels of a feature map "
-                    f"or the units of a vector (keras_dvi.GroupNormalizationDVI); it has axis={layer.axis!r} on "
-                    f"inputs of shape {tuple(layer.input.shape)}. To keep the layers up to it plain, convert only "
-                    "the layers after it (`last_layers=k`).")
-            converted = dvi.GroupNormalizationDVI.from_group_normalization(
-                layer, activation=None if act == "linear" else act, data_format=first_format)
+                    f"keras_dvi.convert: {type(layer).__name__} {layer.name!r} must normalise the channels of a "
+                    f"feature map or the units of a vector (keras_dvi.{counterpart.__name__})"
+                    f"{', without `rms_scaling`' if hasattr(layer, 'rms_scaling') else ''}; it has "
+                    f"axis={layer.axis!r} on inputs of shape {tuple(layer.input.shape)}. To keep the layers up to it "
+                    "plain, convert only the layers after it (`last_layers=k`).")
+            converted = getattr(counterpart, constructor)(layer, activation=None if act == "linear" else act,
+                                                          data_format=first_format)
         elif isinstance(layer, keras.layers.BatchNormalization):
             converted = dvi.BatchNormalizationDVI.from_batch_normalization(
                 layer, activation=None if act == "linear" else act, data_format=first_format)

@@ -393,6 +393,10 @@ def test_convert_refuses_what_has_no_counterpart_by_name():
     across = keras.Model(inputs, layers.LayerNormalization(axis=[1, 2, 3])(h))
     with pytest.raises(ValueError, match="LayerNormalization .* must normalise the channels.*axis=\\[1, 2, 3\\]"):
         kd.convert(across)
+    for norm in (layers.GroupNormalization(2, axis=1), layers.RMSNormalization(axis=1),
+                 layers.LayerNormalization(rms_scaling=True)):
+        with pytest.raises(ValueError, match=f"{type(norm).__name__} .* must normalise the channels"):
+            kd.convert(keras.Model(inputs, norm(layers.Conv2D(8, 3)(inputs))))
     with pytest.raises(ValueError, match="ChannelShift.*has no keras-dvi counterpart"):
         kd.convert(_plain_convnext(last=ChannelShift))
     h = layers.Conv2D(8, 3)(inputs)
