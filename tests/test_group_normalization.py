@@ -11,6 +11,7 @@ import pytest
 from keras import ops
 
 import keras_dvi as kd
+from benchmarks.experiments.new_layers_against_monte_carlo import group_normalised_cnn
 from keras_dvi import conv_moments
 from tests.conftest import gradients, plain_outputs, to_numpy
 from tests.test_conv import _compare, _set_variances
@@ -111,25 +112,6 @@ def test_group_normalize_is_keras_group_normalization():
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def _normalised_network():
-    """Convolutions with group normalisation (4 groups, then instance normalisation) and the
-    activations after them, a global average, a dense layer with its 16 units in 2 groups, a
-    softmax head; non-trivial scales and shifts."""
-    layers = keras.layers
-    inputs = keras.Input((12, 12, 3))
-    h = layers.Activation("silu")(layers.GroupNormalization(4)(layers.Conv2D(16, 3, padding="same")(inputs)))
-    h = layers.Conv2D(16, 3, strides=2, padding="same")(h)
-    h = layers.ReLU()(layers.GroupNormalization(-1, epsilon=1e-5)(h))
-    h = layers.GroupNormalization(2)(layers.Dense(16)(layers.GlobalAveragePooling2D()(h)))
-    plain = keras.Model(inputs, layers.Dense(3, activation="softmax")(h))
-    rng = np.random.default_rng(0)
-    for layer in plain.layers:
-        if isinstance(layer, layers.GroupNormalization):
-            layer.set_weights([rng.uniform(0.5, 1.5, layer.gamma.shape), rng.normal(0, 0.3, layer.beta.shape)])
-    plain.compile("adam", "sparse_categorical_crossentropy")
-    return plain
-
-
 def test_a_normalised_network_converts_computes_the_plain_function_and_matches_monte_carlo(tmp_path):
     """Group normalisation of maps (its activation folded in) and of a vector converts to
     `GroupNormalizationDVI`; at tiny variances the converted model computes the plain
@@ -139,7 +121,7 @@ def test_a_normalised_network_converts_computes_the_plain_function_and_matches_m
     vector normalise by a statistic of few units, and with 4 units per group the extremes
     reached 2.2). It trains, and a `.keras` file predicts the same numbers."""
     keras.utils.set_random_seed(0)
-    plain = _normalised_network()
+    plain = group_normalised_cnn()
     x = np.random.default_rng(0).uniform(size=(4, 12, 12, 3)).astype("float32")
     converted = kd.convert(plain, **TINY)
     normalisations = [layer for layer in converted.layers if isinstance(layer, kd.GroupNormalizationDVI)]

@@ -386,6 +386,7 @@ def test_rms_normalisation_converts_computes_the_plain_function_trains_and_saves
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")  # (Keras deprecates it; refused here)
 def test_convert_refuses_what_has_no_counterpart_by_name():
     layers = keras.layers
     inputs = keras.Input((8, 8, 3))
