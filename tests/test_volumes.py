@@ -68,12 +68,14 @@ def test_first_volume_layer_moments_are_exact(layer, activation):
 @pytest.mark.parametrize("pooling, scale", [("average", 0.3), ("max", 0.03)])
 def test_volume_cnn_matches_monte_carlo(pooling, scale):
     """The logits of a 3D CNN on random volumes against 2,000 weight draws, at the layers'
-    initial variances or ten times them. Measured over seeds 1-5, both scales and both poolings (TensorFlow's initial
-    weights): means within 0.12 sd; variances, medians 0.54-1.01 of Monte Carlo's (extremes
-    0.30-1.06). The low end (seed 1, this test's on TensorFlow) is the approximation's: a 3x3x3
-    window sums 27 neighbours whose correlations beyond the shared component a keras-dvi map
-    does not carry, as a 2D network with 5x5 kernels does (a 3x3 one sums 9). The bounds are
-    set a little outside the measured values."""
+    initial variances or ten times them. Measured over seeds 1-5, both scales and both
+    poolings (TensorFlow's initial weights; `benchmarks/experiments/
+    new_layers_against_monte_carlo.py`): means within 0.16 sd; variances 0.31-1.13 of Monte
+    Carlo's (medians 0.50-1.04; on JAX's initialisations 0.72-1.09). The low end (seed 1, this
+    test's on TensorFlow) is the approximation's: a 3x3x3 window sums 27 neighbours whose
+    correlations beyond the shared component a keras-dvi map does not carry, as a 2D network
+    with 5x5 kernels does (a 3x3 one sums 9). The bounds are set a little outside the
+    measured values."""
     keras.utils.set_random_seed(1)
     model = volume_cnn(pooling)
     _set_variances(model, scale)

@@ -380,8 +380,8 @@ class Conv3DDVI(ConvDVI):
         "Covariances between positions beyond that are not tracked.",
         "Covariances between positions beyond that are not tracked: after a keras-dvi layer a\n"
         "    3x3x3 window sums 27 neighbours whose correlations it does not see, as a 2D network with\n"
-        "    5x5 kernels does (a small 3D CNN's logits: variances 0.54-1.01 of Monte Carlo's, medians\n"
-        "    over five initialisations; check yours with `keras_dvi.predict_samples`).")
+        "    5x5 kernels does (a small 3D CNN's logits: variances 0.31-1.13 of Monte Carlo's, medians\n"
+        "    0.50-1.04 over ten networks; check yours with `keras_dvi.predict_samples`).")
     rank = 3
 
 

@@ -23,7 +23,7 @@ class GroupNormalizationDVI(LayerNormalizationDVI):
     function; against Monte Carlo through Keras' layer, from nearly deterministic inputs to pure
     noise, 1 to 16 channels per group on 6x6 maps, the variances are 0.86-1.04 of Monte Carlo's
     and the means within 0.08 standard deviations; in a small CNN that normalises two maps and a
-    vector (groups of 8 units), the logits' variances were 0.83-1.62 of Monte Carlo's over the
+    vector (groups of 8 units), the logits' variances were 0.83-1.63 of Monte Carlo's over the
     weights. As for layer normalisation, a group of few units (a vector's, below 8) has a
     normaliser too random for one Gaussian. `gamma` and `beta` train as point estimates (no
     prior, no KL), as in `BatchNormalizationDVI`.
