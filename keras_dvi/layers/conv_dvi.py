@@ -311,7 +311,7 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
     together with each unit's shared component, the part of its variance that every position
     of its channel shares because they share the random kernel (`keras_dvi.conv_moments`:
     without it, pooling and dense layers after the convolution under-state the output
-    variance). Covariances between positions beyond that are not tracked. The cost is four
+    variance). Covariances between positions beyond that are not tracked{window_note}. The cost is four
     convolutions per call after a keras-dvi layer (three after data) where `keras.layers.
     Conv{rank}D` has one.
 
@@ -362,26 +362,25 @@ _CONV_DOC = """{rank}D convolution with a factorised Gaussian posterior, propaga
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class Conv1DDVI(ConvDVI):
-    __doc__ = _CONV_DOC.format(rank=1, dims="steps", new_dims="new_steps", input_example="(128, 3)")
+    __doc__ = _CONV_DOC.format(rank=1, dims="steps", new_dims="new_steps", input_example="(128, 3)", window_note="")
     rank = 1
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class Conv2DDVI(ConvDVI):
     __doc__ = _CONV_DOC.format(rank=2, dims="rows, cols", new_dims="new_rows, new_cols",
-                               input_example="(28, 28, 1)")
+                               input_example="(28, 28, 1)", window_note="")
     rank = 2
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
 class Conv3DDVI(ConvDVI):
-    __doc__ = _CONV_DOC.format(rank=3, dims="depth, rows, cols", new_dims="new_depth, new_rows, new_cols",
-                               input_example="(16, 32, 32, 1)").replace(
-        "Covariances between positions beyond that are not tracked.",
-        "Covariances between positions beyond that are not tracked: after a keras-dvi layer a\n"
-        "    3x3x3 window sums 27 neighbours whose correlations it does not see, as a 2D network with\n"
-        "    5x5 kernels does (a small 3D CNN's logits: variances 0.31-1.13 of Monte Carlo's, medians\n"
-        "    0.50-1.04 over ten networks; check yours with `keras_dvi.predict_samples`).")
+    __doc__ = _CONV_DOC.format(
+        rank=3, dims="depth, rows, cols", new_dims="new_depth, new_rows, new_cols", input_example="(16, 32, 32, 1)",
+        window_note=(": after a keras-dvi layer a\n    3x3x3 window sums 27 neighbours whose correlations it "
+                     "does not see, as a 2D network with\n    5x5 kernels does (a small 3D CNN's logits: variances "
+                     "0.31-1.13 of Monte Carlo's, medians\n    0.50-1.04 over ten networks; check yours with "
+                     "`keras_dvi.predict_samples`)"))
     rank = 3
 
 

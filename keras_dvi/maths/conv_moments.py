@@ -677,15 +677,13 @@ def group_norm_moments(mean, variance, shared, groups, epsilon):
     units = ops.cast(ops.shape(m)[1] * per_group, mean.dtype)  # n
     group_sum = lambda t: ops.sum(t, axis=axes, keepdims=True)  # noqa: E731
     centred = m - group_sum(m) / units
-    spread = independent * (1.0 - 2.0 / units) + group_sum(independent) / ops.square(units)
+    spread = moments.centred_spread(independent, units, group_sum)
     channel_shared = ops.sum(s, axis=1, keepdims=True)  # S_c, (batch, 1, G, k)
     shared_spread = group_sum(ops.square(s)) - ops.sum(ops.square(channel_shared), axis=3, keepdims=True) / units
     statistic = (group_sum(ops.square(centred)) + shared_spread + group_sum(spread)) / units
     rate = ops.rsqrt(statistic + epsilon)
     a = centred * rate
-    va = independent * a
-    u = va - group_sum(va) / units
-    out = ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * group_sum(va * a) / ops.square(units))
+    out = moments.normalised_diagonal(independent, spread, a, rate, units, group_sum)
     loads = ops.sum(a * s, axis=1, keepdims=True)  # Lambda_c
     own = rate * (s - channel_shared / units - a * loads / units)
     channel = lambda t: ops.sum(t, axis=3, keepdims=True)  # noqa: E731
@@ -772,15 +770,17 @@ def _along(x, matrix, axis):
     return ops.moveaxis(ops.matmul(moved, ops.transpose(matrix)), -1, axis)
 
 
-def interpolate(x, size, interpolation):
+def interpolate(x, size, interpolation, squared=False):
     """`x`, whose spatial axes are the `len(size)` axes before its last (channels) axis (a map,
     or samples of one), upsampled `size[i]` times along spatial axis `i` by Keras'
     `interpolation` (one of `INTERPOLATIONS`): `keras.layers.UpSampling2D(size,
-    interpolation=...)`, one `interpolation_matrix` per axis."""
+    interpolation=...)`, one `interpolation_matrix` per axis (`squared`: with the squared
+    weights, the variances of independent units)."""
     first = len(x.shape) - 1 - len(size)
     for i, factor in enumerate(size):
         if factor > 1:
-            x = _along(x, interpolation_matrix(ops.shape(x)[first + i], factor, interpolation, x.dtype), first + i)
+            matrix = interpolation_matrix(ops.shape(x)[first + i], factor, interpolation, x.dtype)
+            x = _along(x, ops.square(matrix) if squared else matrix, first + i)
     return x
 
 
@@ -792,14 +792,9 @@ def interpolate_moments(mean, variance, shared, size, interpolation):
     (`average_pool_moments`). Neighbouring outputs, which share input units, are taken as
     independent beyond their shared components, as every two positions of a map are.
     Returns `(mean, variance, shared)`."""
-    first = len(mean.shape) - 1 - len(size)
-    residual = ops.maximum(variance - ops.square(shared), 0.0)
-    for i, factor in enumerate(size):
-        if factor > 1:
-            matrix = interpolation_matrix(ops.shape(mean)[first + i], factor, interpolation, mean.dtype)
-            mean, shared = _along(mean, matrix, first + i), _along(shared, matrix, first + i)
-            residual = _along(residual, ops.square(matrix), first + i)
-    return mean, residual + ops.square(shared), shared
+    residual = interpolate(ops.maximum(variance - ops.square(shared), 0.0), size, interpolation, squared=True)
+    shared = interpolate(shared, size, interpolation)
+    return interpolate(mean, size, interpolation), residual + ops.square(shared), shared
 
 
 def concatenate_moments(maps):

@@ -1139,10 +1139,8 @@ def layer_norm_moments(mean, second, epsilon, shared=None, center=True):
         spread = diagonal(second)
     elif full:
         spread = diagonal(second)
-    elif center:
-        spread = second * (1.0 - 2.0 / units) + ops.sum(second, axis=-1, keepdims=True) / units**2
     else:
-        spread = second
+        spread = centred_spread(second, units, _unit_sum) if center else second
     statistic = ops.mean(ops.square(centred) + spread, axis=-1, keepdims=True)
     rate = ops.rsqrt(statistic + epsilon)
     a = centred * rate
@@ -1152,14 +1150,35 @@ def layer_norm_moments(mean, second, epsilon, shared=None, center=True):
         outer = lambda x, y: ops.expand_dims(x, -1) * ops.expand_dims(y, -2)  # noqa: E731
         out = ops.expand_dims(ops.square(rate), -1) * (
             second - (outer(a, u) + outer(u, a)) / units + outer(a, a) * quadratic / units**2)
-    else:  # the diagonal of the same, with Cov~ = P diag(v) P: u = P (v a) (RMS: P = I)
-        va = second * a
-        u = va - ops.mean(va, axis=-1, keepdims=True) if center else va
-        quadratic = ops.sum(va * a, axis=-1, keepdims=True)
-        out = ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * quadratic / units**2)
+    else:
+        out = normalised_diagonal(second, spread, a, rate, units, _unit_sum, center)
     if shared is None:
         return a, out
     return a, out, shared * rate * (1.0 - ((1.0 if center else 0.0) + ops.square(a)) / units)
+
+
+def _unit_sum(t):
+    """The sum over the last axis, kept."""
+    return ops.sum(t, axis=-1, keepdims=True)
+
+
+def centred_spread(variance, units, total):
+    """The variances of independent units after their mean over `units` of them is subtracted,
+    `v (1 - 2 / n) + sum(v) / n^2` (`total`: the sum over the normalised units, kept): the
+    diagonal of `P diag(v) P`, `P = I - 1 1^T / n`."""
+    return variance * (1.0 - 2.0 / units) + total(variance) / units**2
+
+
+def normalised_diagonal(variance, spread, a, rate, units, total, center=True):
+    """The delta method's variances of a normalisation of `units` independent units with
+    variances `variance` (after centring: `spread`, `centred_spread`): the diagonal of
+    `J Cov~ J^T`, `J = r (I - a a^T / n)`, `Cov~ = P diag(v) P` (`P = I` without centring),
+    `r^2 (v~ - 2 a u / n + a^2 (a . u) / n^2)` with `u = Cov~ a = P (v a)`. `total`: the sum over
+    the normalised units, kept (`layer_norm_moments`: a position's channels;
+    `conv_moments.group_norm_moments`: a group's channels and positions)."""
+    va = variance * a
+    u = va - total(va) / units if center else va
+    return ops.square(rate) * (spread - 2.0 * a * u / units + ops.square(a) * total(va * a) / units**2)
 
 
 def diag_embed(variance):
