@@ -14,6 +14,7 @@ networks without gradients. The public API, by topic:
   `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
   `BatchNormalizationDVI`, `LayerNormalizationDVI`, `RMSNormalizationDVI`, `GroupNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`, `UpSampling1DDVI`, `UpSampling2DDVI`;
+* attention (Transformers): `MultiHeadAttentionDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
   `ScalePriorRegularizer` (by default `kl_weight="auto"`: the ELBO for regression, the rule
@@ -31,7 +32,7 @@ networks without gradients. The public API, by topic:
 * `convert(model)`: the keras-dvi counterpart of a plain Keras model, its weights as posterior
   means;
 * the maths, package `maths`: modules `moments` (dense layers), `conv_moments` (feature maps),
-  `inducing` (global inducing posteriors), `tagi` (also `keras_dvi.moments`, ... and
+  `attention` (multi-head attention), `inducing` (global inducing posteriors), `tagi` (also `keras_dvi.moments`, ... and
   `keras_dvi.tagi.maths`); `datasets` (the bundled toy data set, the UCI reader `load_uci`).
 """
 
@@ -69,6 +70,7 @@ _EXPORTS = {
     "ConcatenateDVI": "keras_dvi.layers",
     "BatchNormalizationDVI": "keras_dvi.layers",
     "LayerNormalizationDVI": "keras_dvi.layers",
+    "MultiHeadAttentionDVI": "keras_dvi.layers",
     "ZeroPadding1DDVI": "keras_dvi.layers",
     "ZeroPadding2DDVI": "keras_dvi.layers",
     "Cropping1DDVI": "keras_dvi.layers",
@@ -117,6 +119,7 @@ _EXPORTS = {
     "maths": None,
     "moments": "keras_dvi.maths",
     "conv_moments": "keras_dvi.maths",
+    "attention": "keras_dvi.maths",
     "inducing": "keras_dvi.maths",
     "predictive": None,
     "priors": None,

@@ -64,8 +64,9 @@ _INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.SpatialDropout1D, kera
 _NO_GAUSSIAN_RULE = {
     (keras.layers.UnitNormalization,):
         "it divides each unit by a statistic of a few units of the layer's own random input",
-    (keras.layers.MultiHeadAttention, keras.layers.Attention):
-        "it multiplies random features by a softmax of products or sums of random features",
+    (keras.layers.Attention, keras.layers.AdditiveAttention, keras.layers.GroupQueryAttention):
+        "it multiplies random features by a softmax of products or sums of random features (keras-dvi converts "
+        "keras.layers.MultiHeadAttention)",
     (keras.layers.RNN,): "it feeds its random state back through a nonlinearity at every step",
 }
 _ACTIVATION_LAYERS = (keras.layers.Activation, keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.Softmax)
@@ -352,6 +353,57 @@ def _is_weight_layer(layer):
     return isinstance(layer, (keras.layers.Dense, keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D, *_CONV))
 
 
+def _starts_bayesian(layer):
+    """Whether `layer` has weights `convert` makes Bayesian (the layers before the first one
+    stay plain preprocessing: an embedding, a rescaling)."""
+    return _is_weight_layer(layer) or isinstance(layer, keras.layers.MultiHeadAttention)
+
+
+def _check_attention(layer, graph):
+    """Refuses, by name, the `MultiHeadAttention` options keras-dvi's attention lacks, and a
+    padding mask reaching it (from an `Embedding(mask_zero=True)` or a `Masking` layer up the
+    graph: Keras passes it implicitly, keras-dvi's layers would drop it)."""
+    seen, todo = set(), list(graph.producers[id(layer)])
+    while todo:
+        producer = todo.pop()
+        if id(producer) in seen:
+            continue
+        seen.add(id(producer))
+        if isinstance(producer, keras.layers.Masking) or getattr(producer, "mask_zero", False):
+            raise ValueError(f"keras_dvi.convert: MultiHeadAttention {layer.name!r} receives a padding mask (from "
+                             f"{producer.name!r}: mask_zero=True or a Masking layer); keras-dvi's attention takes an "
+                             "explicit `attention_mask`. Build the plain model without the implicit mask and pass "
+                             "it as `attention_mask`.")
+        todo.extend(graph.producers[id(producer)])
+    config = layer.get_config()
+    options = [name for name in ("use_gate", "sliding_window") if config.get(name) not in (None, False)]
+    if len(layer.query_dense.kernel.shape) != 3:
+        options.append("attention_axes")
+    if options:
+        raise ValueError(f"keras_dvi.convert: MultiHeadAttention {layer.name!r} uses {', '.join(options)}; "
+                         "keras_dvi.MultiHeadAttentionDVI attends over the sequence axis of (batch, T, C) inputs, "
+                         "without a gate or a sliding window. To keep the layers up to it plain, convert only the "
+                         "layers after it (`last_layers=k`).")
+
+
+def _attention_arguments(layer, kwargs):
+    """The call arguments of a converted attention: the attention mask and the causal mask are
+    carried; padding masks (`query_mask`, `value_mask`, `key_mask`: an `Embedding` with
+    `mask_zero=True`) and returned scores are refused by name."""
+    kwargs = dict(kwargs)
+    for name in ("query_mask", "value_mask", "key_mask"):
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(f"keras_dvi.convert: MultiHeadAttention {layer.name!r} receives a padding mask "
+                             f"(`{name}`, from a layer with mask_zero=True or a Masking layer); keras-dvi's attention "
+                             "takes an explicit `attention_mask`. Pass the mask as `attention_mask` in the plain "
+                             "model.")
+    if kwargs.pop("return_attention_scores", False):
+        raise ValueError(f"keras_dvi.convert: MultiHeadAttention {layer.name!r} returns its attention scores; "
+                         "keras_dvi.MultiHeadAttentionDVI returns the output's moments alone.")
+    kwargs.pop("training", None)
+    return kwargs
+
+
 def _plain_parts(layer, on_vector):
     """The plain layers a layer with weights converts as, built with its weights: a
     `SeparableConv2D` is a `DepthwiseConv2D` (linear, no bias) and a 1x1 `Conv2D` (its bias and
@@ -544,7 +596,7 @@ def _plan(graph):
                  if id(layer) in vectors and isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten))}
     started = set()  # layers at or after the first layer with weights
     for layer in graph.layers:
-        after = _is_weight_layer(layer) or any(id(p) in started for p in graph.producers[id(layer)])
+        after = _starts_bayesian(layer) or any(id(p) in started for p in graph.producers[id(layer)])
         if after:
             started.add(id(layer))
         else:
@@ -809,6 +861,7 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `LayerNormalization` of a feature map's channels or a vector's units | `LayerNormalizationDVI` |
     | `GroupNormalization` (instance normalisation: `groups=-1`) of a feature map's channels or a vector's units | `GroupNormalizationDVI` |
     | `RMSNormalization` of a feature map's channels or a vector's units | `RMSNormalizationDVI` |
+    | `MultiHeadAttention` on sequences (self-, cross- or causal attention, an `attention_mask`) | `MultiHeadAttentionDVI` |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
@@ -817,9 +870,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     A ReLU on a convolution that feeds a max pooling (directly, through batch normalisation, a
     ReLU layer or zero padding) moves to the pooling layer, the same function in the form whose
     moments are accurate. Layers without weights before the first
-    layer with weights (`Rescaling`, `Normalization`, `Reshape`, operations such as `x / 255.0`,
-    ...) stay as they are. Group and unit normalisation, attention and recurrent layers have no
-    accurate Gaussian rule and are refused with the reason. Anything
+    layer with weights (`Rescaling`, `Normalization`, `Reshape`, an `Embedding`, operations such
+    as `x / 255.0`, ...) stay as they are; their outputs are data to the next layer (a residual
+    sum adds an embedding as data). Unit normalisation, `Attention`, `AdditiveAttention` and
+    recurrent layers have no accurate Gaussian rule here and are refused with the reason. Anything
     else is refused with an error that names the layer. A converted layer keeps the plain
     layer's `trainable` setting (a warning says when one is frozen: its variances are then not
     fitted).
@@ -980,6 +1034,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
         elif isinstance(layer, keras.layers.Add) or key in graph.sums:
             converted = dvi.AddDVI(activation=None if act == "linear" else act, data_format=first_format,
                                    name=layer.name)
+        elif isinstance(layer, keras.layers.MultiHeadAttention):
+            _check_attention(layer, graph)
+            converted = dvi.MultiHeadAttentionDVI.from_multi_head_attention(
+                layer, kernel_variance, bias_variance, regularizer=regularizer)
         elif _is_operation(layer):
             raise _operation_refused(layer)
         elif any(isinstance(layer, kinds) for kinds in _NO_GAUSSIAN_RULE):
@@ -995,8 +1053,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
                 "(vectors, or channels), ZeroPadding, Cropping, UpSampling, batch normalisation (folded, or on feature maps and "
                 "vectors), layer, RMS and group normalisation (of channels or units), layer scales (folded), folded "
-                "activations (layers, or operations that compute one), inference-time no-ops (Dropout), and layers without weights before the first "
-                "layer with weights. To keep the layers up to it plain, convert only the layers after it "
+                "activations (layers, or operations that compute one), MultiHeadAttention, inference-time no-ops (Dropout), "
+                "and layers before the first layer with weights (an Embedding). To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")
         return converted
 
@@ -1037,6 +1095,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             if id(layer) in dropped:  # (an operation such as `x * (1.0 / 6.0)` or `3.0 + x`: its tensor)
                 return next(a for a in keras.tree.flatten(args) if isinstance(a, keras.KerasTensor))
             kwargs.pop("mask", None)  # (Keras records it for the plain layers that take one)
+            if isinstance(layer, dvi.MultiHeadAttentionDVI):
+                kwargs = _attention_arguments(layer, kwargs)
             if isinstance(layer, tuple):  # a separable convolution: depthwise, then pointwise
                 return layer[1](layer[0](*args, **kwargs))
             if isinstance(layer, dvi.AddDVI) and len(args) == 2:  # (a sum written `x + y`)

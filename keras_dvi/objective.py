@@ -72,7 +72,7 @@ def prior_weight_count(layer):
     return sum(int(math.prod(v.shape))
                for current in [layer, *network.layers_of(layer)]
                if isinstance(getattr(current, "regularizer", None), priors.PriorRegularizer) and current.built
-               for v in (current.kernel_mean, current.bias_mean) if v is not None)
+               for v in current.prior_weights())
 
 
 def trains_classifier(model):

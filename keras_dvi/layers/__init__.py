@@ -2,6 +2,7 @@
 
 from keras_dvi.layers.activation_dvi import ActivationDVI
 from keras_dvi.layers.add_dvi import AddDVI
+from keras_dvi.layers.attention_dvi import MultiHeadAttentionDVI
 from keras_dvi.layers.base import BayesianLayer
 from keras_dvi.layers.batch_normalization_dvi import BatchNormalizationDVI
 from keras_dvi.layers.concatenate_dvi import ConcatenateDVI
@@ -64,4 +65,5 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "FlattenDVI", "AddDVI", "ConcatenateDVI", "BatchNormalizationDVI", "LayerNormalizationDVI", "GroupNormalizationDVI", "RMSNormalizationDVI", "ZeroPadding1DDVI",
            "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI",
            "Conv1DTransposeDVI", "Conv2DTransposeDVI", "UpSampling1DDVI", "UpSampling2DDVI",
-           "Conv3DDVI", "Conv3DTransposeDVI", "MaxPooling3DDVI", "AveragePooling3DDVI", "GlobalAveragePooling3DDVI", "GlobalMaxPooling3DDVI", "ZeroPadding3DDVI", "Cropping3DDVI", "UpSampling3DDVI"]
+           "Conv3DDVI", "Conv3DTransposeDVI", "MaxPooling3DDVI", "AveragePooling3DDVI", "GlobalAveragePooling3DDVI", "GlobalMaxPooling3DDVI", "ZeroPadding3DDVI", "Cropping3DDVI", "UpSampling3DDVI",
+           "MultiHeadAttentionDVI"]

@@ -4,6 +4,7 @@ import functools
 import operator
 
 import keras
+from keras import ops
 
 from keras_dvi import packing, sampling
 from keras_dvi.layers import vectors
@@ -39,7 +40,9 @@ class AddDVI(MapLayer):
         A list of two or more packed feature maps `(batch, 3, *spatial, channels)` of the same
         shape (channels first: `(batch, 3, channels, *spatial)`); or of two or more vectors of
         `K` features: dense keras-dvi outputs `(batch, 2, K)` or `(batch, K + 1, K)`, and data
-        `(batch, K)` (a network input: variance zero), one at least not data.
+        `(batch, K)` (a network input: variance zero), one at least not data. Data beside
+        feature maps, `(batch, *spatial, channels)` (an embedding beside a Transformer block's
+        output), adds as a map with zero variance.
 
     Output shape:
         Packed, as the inputs: a feature map, or `(batch, 2, K)` (`(batch, K + 1, K)` if an
@@ -68,8 +71,12 @@ class AddDVI(MapLayer):
             raise ValueError(f"{type(self).__name__} takes a list of two or more packed feature maps or vectors; "
                              f"received {input_shape}.")
         shapes = [tuple(s) for s in input_shape]
-        if vectors.on_vectors(self, shapes):
+        maps = [shape for shape in shapes if len(shape) >= 4]
+        if maps and not self._data_beside_maps(shapes) and vectors.on_vectors(self, shapes):
             return self._vector_shapes(shapes)
+        if not maps:
+            return self._vector_shapes(shapes)
+        shapes = maps
         first = shapes[0]
         for other in shapes[1:]:
             if len(first) != len(other) or any(a is not None and b is not None and a != b
@@ -79,6 +86,21 @@ class AddDVI(MapLayer):
         for shape in shapes:
             self._structure(self._last(shape))
         return first
+
+    def packed_inputs(self, tensors):
+        if self._data_beside_maps([tuple(t.shape) for t in tensors]):
+            return [t for t in tensors if len(t.shape) >= 4]
+        return super().packed_inputs(tensors)
+
+    @staticmethod
+    def _data_beside_maps(shapes):
+        """Whether the inputs mix packed maps with data of the same maps (`(batch, *spatial,
+        channels)`: a network input, or an embedding, beside its Transformer block's output);
+        the data then adds as a map with zero variance."""
+        maps = [shape for shape in shapes if len(shape) >= 4]
+        data = [shape for shape in shapes if len(shape) < 4]
+        same = lambda a, b: all(x is None or y is None or x == y for x, y in zip(a, b))  # noqa: E731
+        return bool(maps) and all(len(d) == len(maps[0]) - 1 and same(d[1:], maps[0][2:]) for d in data)
 
     def _vector_shapes(self, shapes):
         """The output shape of the sum of vectors, checked."""
@@ -101,12 +123,14 @@ class AddDVI(MapLayer):
         if sampling.current_context(self) is not None:  # (samples, batch, ...) each; data (batch, K) broadcasts
             return apply_activation(functools.reduce(operator.add, inputs), self.activation)
         self._shapes([tuple(t.shape) for t in inputs])
-        if vectors.on_vectors(self, [t.shape for t in inputs]):
+        if not self._data_beside_maps([t.shape for t in inputs]) and vectors.on_vectors(self, [t.shape for t in inputs]):
             summed = functools.reduce(moments.add_moments, vectors.split(self, inputs))
             return vectors.activated(*summed, self.activation)
-        rank = len(inputs[0].shape) - 3
+        rank = max(len(t.shape) for t in inputs) - 3
+        as_map = lambda t: t if len(t.shape) == rank + 3 else packing.pack_map(  # noqa: E731  (data: no variance)
+            t, ops.zeros_like(t), ops.zeros_like(t))
         summed = functools.reduce(conv_moments.add_moments,
-                                  [self._split(to_channels_last(t, rank, self.data_format)) for t in inputs])
+                                  [self._split(to_channels_last(as_map(t), rank, self.data_format)) for t in inputs])
         return self._from_last(packing.pack_map(*conv_moments.activation_moments(*summed, self.activation)))
 
     def get_config(self):

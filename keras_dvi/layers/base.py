@@ -123,36 +123,27 @@ class BayesianLayer(KerasDVILayer):
         `kernel_shape` (default `(fan_in, units)`; a conv kernel `(*kernel_size, in, units)`)."""
         kernel_var, bias_var = self._initial_variances(fan_in)
         kernel_shape = (fan_in, units) if kernel_shape is None else tuple(kernel_shape)
-        self._kernel_mean = self.add_weight(
-            name="kernel_mean",
-            shape=kernel_shape,
-            initializer=self.kernel_mean_initializer,
-            autocast=False,  # read in float32 under mixed precision (see `moment_dtype`)
-        )
-        self._kernel_log_std = self.add_weight(
-            name="kernel_log_std",
-            shape=kernel_shape,
-            initializer=keras.initializers.Constant(0.5 * math.log(kernel_var)),
-            autocast=False,
-        )
-        if self.use_bias:
-            self._bias_mean = self.add_weight(
-                name="bias_mean",
-                shape=(units,),
-                initializer=self.bias_mean_initializer,
-                autocast=False,
-            )
-            self._bias_log_std = self.add_weight(
-                name="bias_log_std",
-                shape=(units,),
-                initializer=keras.initializers.Constant(0.5 * math.log(bias_var)),
-                autocast=False,
-            )
-        else:
-            self._bias_mean = None
-            self._bias_log_std = None
+        self._kernel_mean, self._kernel_log_std = self._gaussian_weights(
+            "kernel", kernel_shape, self.kernel_mean_initializer, kernel_var)
+        self._bias_mean, self._bias_log_std = (
+            self._gaussian_weights("bias", (units,), self.bias_mean_initializer, bias_var) if self.use_bias
+            else (None, None))
         self._fan_in = fan_in
         self.kl_term.build(is_head)
+
+    def _gaussian_weights(self, name, shape, mean_initializer, variance):
+        """The variables `{name}_mean` and `{name}_log_std` of one factorised Gaussian weight set
+        of `shape`, its variances initialised to `variance` (read in float32 under mixed
+        precision: `moment_dtype`)."""
+        mean = self.add_weight(name=f"{name}_mean", shape=shape, initializer=mean_initializer, autocast=False)
+        log_std = self.add_weight(name=f"{name}_log_std", shape=shape, autocast=False,
+                                  initializer=keras.initializers.Constant(0.5 * math.log(variance)))
+        return mean, log_std
+
+    def prior_weights(self):
+        """The posterior means of the weight sets under the layer's prior (kernel, bias): what
+        `kl_weight="auto"` counts."""
+        return [t for t in (self.kernel_mean, self.bias_mean) if t is not None]
 
     @property
     def kernel_mean(self):
@@ -209,24 +200,29 @@ class BayesianLayer(KerasDVILayer):
             ("bias_variance", bias_variance, self._bias_log_std, True),
         ]
         for arg, value, variable, is_variance in pairs:
-            if value is None:
-                continue
-            if variable is None:
-                raise ValueError(f"Argument `{arg}` given, but layer {self.name!r} has no bias.")
-            # (in NumPy's float64: JAX without x64 would truncate a float64 tensor, with a warning)
-            value = np.asarray(ops.convert_to_numpy(value), dtype="float64")
-            try:
-                value = np.broadcast_to(value, tuple(variable.shape))
-            except ValueError as error:
-                raise ValueError(
-                    f"Argument `{arg}` must broadcast to shape {tuple(variable.shape)}; "
-                    f"received shape {value.shape}."
-                ) from error
-            if is_variance:
-                if not (value > 0).all() or not (value < float("inf")).all():
-                    raise ValueError(f"Argument `{arg}` must be positive and finite.")
-                value = 0.5 * np.log(value)
-            variable.assign(ops.cast(value, variable.dtype))
+            self._assign(arg, value, variable, is_variance)
+
+    def _assign(self, arg, value, variable, is_variance):
+        """Sets `variable` (a mean, or a log standard deviation if `is_variance`) from argument
+        `arg`'s `value` (broadcast, checked); nothing if `value` is `None`."""
+        if value is None:
+            return
+        if variable is None:
+            raise ValueError(f"Argument `{arg}` given, but layer {self.name!r} has no bias.")
+        # (in NumPy's float64: JAX without x64 would truncate a float64 tensor, with a warning)
+        value = np.asarray(ops.convert_to_numpy(value), dtype="float64")
+        try:
+            value = np.broadcast_to(value, tuple(variable.shape))
+        except ValueError as error:
+            raise ValueError(
+                f"Argument `{arg}` must broadcast to shape {tuple(variable.shape)}; "
+                f"received shape {value.shape}."
+            ) from error
+        if is_variance:
+            if not (value > 0).all() or not (value < float("inf")).all():
+                raise ValueError(f"Argument `{arg}` must be positive and finite.")
+            value = 0.5 * np.log(value)
+        variable.assign(ops.cast(value, variable.dtype))
 
     # ---------------------------------------------------------------- calling
 

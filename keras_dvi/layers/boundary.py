@@ -72,6 +72,11 @@ class KerasDVILayer(keras.layers.Layer):
         sample, e.g. `keras.layers.TimeDistributed(keras.layers.MaxPooling2D())`)."""
         return len(shape) == 3
 
+    def packed_inputs(self, tensors):
+        """Which of the symbolic input `tensors` are keras-dvi tensors: all of them if each
+        `takes_packed` (not a `(mean, covariance)` pair), else none."""
+        return list(tensors) if tensors and all(self.takes_packed(t.shape) for t in tensors) else []
+
     def __call__(self, *args, **kwargs):
         inputs = args[0] if args else kwargs.get("inputs")
         if not any(keras.utils.is_keras_tensor(t) for t in keras.tree.flatten(inputs)):  # not a symbolic build
@@ -91,8 +96,7 @@ class KerasDVILayer(keras.layers.Layer):
         self._in_symbolic_graph = True
         tensors = [t for t in keras.tree.flatten(inputs) if keras.utils.is_keras_tensor(t)]
         self.inducing_rows = max([inducing_rows_of(t) for t in tensors] + [0])
-        packed = bool(tensors) and all(self.takes_packed(t.shape) for t in tensors)  # not a (mean, covariance) pair
-        unstamped = [t for t in tensors if producer_of(t) is None] if packed else []
+        unstamped = [t for t in self.packed_inputs(tensors) if producer_of(t) is None]
         if unstamped:
             inputs = unstamped[0]
             warnings.warn(
