@@ -34,12 +34,12 @@ from tests.test_conv import (  # noqa: E402 - the networks the tests check
 @contextlib.contextmanager
 def diagonal():
     """Forces every shared component to 0: the per-position diagonal."""
-    original = conv_moments._clip_shared  # noqa: SLF001 - a measurement of the alternative
-    conv_moments._clip_shared = lambda shared, variance: keras.ops.zeros_like(shared)
+    original = conv_moments.clip_shared  # noqa: SLF001 - a measurement of the alternative
+    conv_moments.clip_shared = lambda shared, variance: keras.ops.zeros_like(shared)
     try:
         yield
     finally:
-        conv_moments._clip_shared = original
+        conv_moments.clip_shared = original
 
 
 def cases():

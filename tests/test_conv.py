@@ -193,11 +193,11 @@ def test_shared_component_clip_gradient_matches_finite_differences():
     weights = rng.normal(size=variance.size)
     from tests.conftest import gradients
 
-    value = to_numpy(conv_moments._clip_shared(shared, variance))  # noqa: SLF001
+    value = to_numpy(conv_moments.clip_shared(shared, variance))  # noqa: SLF001
     bound = np.sqrt(np.maximum(variance, 1e-12))
     np.testing.assert_allclose(value, np.clip(shared, -bound, bound), rtol=1e-15)
     assert (np.abs(shared) > bound).sum() >= 5 and (np.abs(shared) < bound).sum() >= 5  # both sides tested
-    _, (g_shared, g_var) = gradients(lambda s, v: ops.sum(conv_moments._clip_shared(s, v) * weights),  # noqa: SLF001
+    _, (g_shared, g_var) = gradients(lambda s, v: ops.sum(conv_moments.clip_shared(s, v) * weights),  # noqa: SLF001
                                      [shared, variance])
     h = 1e-7
     live = variance > 0

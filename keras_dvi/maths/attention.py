@@ -29,33 +29,42 @@ unit `(s, c)` then reaches `o_t` with the coefficient
 
 (query side, key side, value side; in cross-attention the query side reads `x` and the other
 two `y`, two inputs whose noise is independent). Each unit's independent part adds
-`J^2 (v - s^2)`; its shared component `s` loads `sum_s J_ts s_s` on its channel's factor. The
+`J_ts J_ts^T (v - s^2)` to the covariance of position `t`'s head outputs, across all heads
+and head units; its shared component `s` loads `sum_s J_ts s_s` on its channel's factor. The
 weights' own noise adds the variances of `g`- and `a`-weighted sums: the value projection's
-(`sum_c Var(W_v[c, j]) E[xhat_c^2]` with `xhat_t = sum_s a_ts y_s`, the same draw at every
-position: a shared component, as a convolution's kernel noise), the query projection's
+(`sum_c Var(W_v[c, j]) E[xhat_c^2]` with `xhat_t = sum_s a_ts y_s`), the query projection's
 (`P`'s coefficients on `W_q`) and the key projection's (the key bias cancels in the softmax).
-All of these are `O(batch T S C^2 / heads)` einsums: the pattern, and tensors of one head's
-size times the input width per query position; no loop over positions or heads.
+The head outputs' covariance goes through the output projection whole,
+`diag(W_o^T Sigma_t W_o)`, plus the projection's own noise: head units that one input moves
+together are not summed as independent (they would be wrong by up to 5x either way).
 
-The head outputs `o` are a keras-dvi sequence: each unit's loads on the input channels'
-factors (and the value weights' shared noise) re-expressed as one shared component per head
-unit, the projection on the sum over positions, as `conv_moments.conv_moments` does. The
-output projection is a Bayesian convolution of kernel size 1 (`conv_moments.conv_moments`),
-which, as every keras-dvi layer, treats its input units as independent beyond their shared
-components.
+**Shared components.** The output's shared component of channel `e` is matched to the
+variance of the channel's sum over positions: with `n_t = Cov(out_t, sum_t' out_t')` (every
+source above: the inputs' independent parts mixed into every position, their shared
+components, and the weights, the same draw at every position) and `D = sum_t n_t`,
+`s_t = lambda n_t`, `lambda^2 = (D - sum_t v_t) / (D^2 - sum_t n_t^2)`, so that the
+representation gives the sum its true variance (`_matched_shared`). For noise from one factor
+this is a convolution's projection `n_t / sqrt(D)`; attention mixes every position's
+independent noise into every output, which the projection would count twice (the sum's
+variance 1.1-1.6x too large).
 
-What the rule leaves out: the means are the pattern at the means (first order; the softmax's
-curvature and the covariance of the pattern with the values shift the mean at second order),
-and the query and key projections' own noise enters the variance, not the shared components.
-Tested against Monte Carlo through `keras.layers.MultiHeadAttention` with drawn inputs and
-weights (`tests/test_attention.py`).
+All of these are einsums; the largest are the covariances across pairs of heads, `O(batch
+heads T S C^2)` time and `O(batch heads T C (C + S))` memory (a plain layer: `O(batch T S C)`);
+no loop over positions or heads.
+
+What the rule leaves out: the softmax's curvature (the mean is the pattern at the means, first
+order; at larger noise the variance strays: 0.75-1.22 of Monte Carlo's at input noise 0.1),
+and where the weights' noise moves the scores by more than their spread (inputs far larger
+than a layer normalisation gives) the linearised variance over-states without bound. Tested
+against Monte Carlo through the plain function (`attend`, itself tested against Keras'
+`MultiHeadAttention`), inputs and weights drawn (`tests/test_attention.py`).
 """
 
 import math
 
 from keras import ops
 
-from keras_dvi.maths import conv_moments
+from keras_dvi.maths import conv_moments, moments
 
 #: What a masked score becomes before the softmax (Keras' `Softmax` adds `-1e9`).
 _MASKED = -1e9
@@ -118,7 +127,7 @@ def _matched_shared(variance, numerator, axis=1):
     # and the square root floored)
     correlated = ops.logical_and(excess > 0.0, spread > 1e-6 * (ops.square(total) + squares))
     ratio = ops.where(correlated, excess / ops.where(correlated, spread, 1.0), 0.0)
-    return conv_moments._clip_shared(numerator * ops.sqrt(ops.maximum(ratio, conv_moments._FLOOR)), variance)
+    return conv_moments.clip_shared(numerator * ops.sqrt(ops.maximum(ratio, moments.VARIANCE_FLOOR)), variance)
 
 
 def _swap(cov):

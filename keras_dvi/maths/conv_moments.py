@@ -139,7 +139,7 @@ def _positions(x):
     return ops.cast(ops.prod(ops.shape(x)[1:-1]), x.dtype)
 
 
-def _clip_shared(shared, variance):
+def clip_shared(shared, variance):
     """Keeps `|s| <= sqrt(v)` (the independent part's variance `v - s^2` is never negative;
     the square root is floored so its gradient stays finite where a unit has no variance)."""
     return _clip_to_sd(shared, variance)
@@ -246,7 +246,7 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
     scale = ops.sqrt(ops.maximum(denominator, _FLOOR))
     for _ in axes:
         scale = ops.expand_dims(scale, 1)
-    return mean_a, var_a, _clip_shared(numerator / scale, var_a)
+    return mean_a, var_a, clip_shared(numerator / scale, var_a)
 
 
 def transpose_pads(kernel_size, strides, padding, output_padding=None, dilation_rate=1):
@@ -354,7 +354,7 @@ def activation_moments(mean, variance, shared, activation):
     if moments.get_activation(activation).identity:
         return mean, variance, shared
     mean_h, var_h, slope = moments.activation_moments_and_slope(mean, variance, activation)
-    return mean_h, var_h, _clip_shared(slope * shared, var_h)
+    return mean_h, var_h, clip_shared(slope * shared, var_h)
 
 
 def _clark(mean_1, var_1, mean_2, var_2, cov):
@@ -527,7 +527,7 @@ def max_pool_moments(mean, variance, shared, pool_size, strides, padding="valid"
         m, v, s = (t[0] for t in taps)
         for tap in zip(*(t[1:] for t in taps)):
             m, v, s = max_pair_moments(m, v, s, *tap)
-    return m, v, _clip_shared(s, v)
+    return m, v, clip_shared(s, v)
 
 
 def _running_max(taps):
@@ -613,7 +613,7 @@ def add_moments(first, second):
     t1, t2 = ops.sum(s1, axis=axes, keepdims=True), ops.sum(s2, axis=axes, keepdims=True)
     scale = ops.sqrt(ops.maximum(ops.square(t1) + ops.square(t2), _FLOOR))
     variance = v1 + v2
-    return m1 + m2, variance, _clip_shared((s1 * t1 + s2 * t2) / scale, variance)
+    return m1 + m2, variance, clip_shared((s1 * t1 + s2 * t2) / scale, variance)
 
 
 def scale_moments(mean, variance, shared, gate_mean, gate_variance):
@@ -633,7 +633,7 @@ def scale_moments(mean, variance, shared, gate_mean, gate_variance):
     t_m, t_s = ops.sum(mean, axis=axes, keepdims=True), ops.sum(shared, axis=axes, keepdims=True)
     scale = ops.sqrt(ops.maximum(ops.square(t_m) * gate_variance + ops.square(t_s) * gate_second, _FLOOR))
     shared_out = (mean * t_m * gate_variance + shared * t_s * gate_second) / scale
-    return mean * gate_mean, variance_out, _clip_shared(shared_out, variance_out)
+    return mean * gate_mean, variance_out, clip_shared(shared_out, variance_out)
 
 
 def group_norm_moments(mean, variance, shared, groups, epsilon):
