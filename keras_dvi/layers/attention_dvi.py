@@ -200,7 +200,7 @@ class MultiHeadAttentionDVI(BayesianLayer):
             inputs.append((mean, variance, shared, kind))
         (mean, variance, shared, kind), value_moments = inputs
         self._report_kl(training, mean if kind == packing.DETERMINISTIC else None)
-        mask = self._mask(attention_mask, use_causal_mask, mean.shape[1], value_moments[0].shape[1])
+        mask = self._mask(attention_mask, use_causal_mask, ops.shape(mean)[1], ops.shape(value_moments[0])[1])
         out = attention.attention_moments((mean, variance, shared), value_moments[:3],
                                           *(self.posterior(name) for name in PROJECTIONS), mask=mask,
                                           self_attention=same)
@@ -230,7 +230,7 @@ class MultiHeadAttentionDVI(BayesianLayer):
             weights.append((draw(kernel_mean, kernel_var), draw(bias_mean, bias_var)))
         query = samples(query)
         value = query if value is query or value is None else samples(value)
-        mask = self._mask(attention_mask, use_causal_mask, query.shape[2], value.shape[2])
+        mask = self._mask(attention_mask, use_causal_mask, ops.shape(query)[2], ops.shape(value)[2])
         return attention.attend(query, value, *weights, mask=mask)
 
     # ---------------------------------------------------------------- conversion and config
