@@ -194,6 +194,25 @@ def test_convert_transformer_is_the_plain_function_at_tiny_variances(causal):
     np.testing.assert_allclose(probabilities, to_numpy(plain(x)), atol=2e-5)
 
 
+def test_convert_encoder_decoder_with_cross_attention():
+    """An encoder-decoder (two inputs, each embedded; the decoder's causal self-attention, then
+    its cross-attention to the encoder's output) converts whole, every attention a
+    `MultiHeadAttentionDVI`, and at tiny variances computes the plain probabilities."""
+    encoder_tokens, decoder_tokens = keras.Input((10,), dtype="int32"), keras.Input((8,), dtype="int32")
+    e = layers.Embedding(30, 16)(encoder_tokens)
+    e = layers.LayerNormalization()(e + layers.MultiHeadAttention(2, 8)(e, e))
+    d = layers.Embedding(30, 16)(decoder_tokens)
+    d = layers.LayerNormalization()(d + layers.MultiHeadAttention(2, 8)(d, d, use_causal_mask=True))
+    d = layers.LayerNormalization()(d + layers.MultiHeadAttention(2, 8)(d, e))
+    outputs = layers.Dense(30, activation="softmax")(layers.GlobalAveragePooling1D()(d))
+    plain = keras.Model([encoder_tokens, decoder_tokens], outputs)
+    rng = np.random.default_rng(4)
+    x = [rng.integers(0, 30, (4, 10)), rng.integers(0, 30, (4, 8))]
+    converted = kd.convert(plain, **TINY)
+    assert sum(isinstance(layer, kd.MultiHeadAttentionDVI) for layer in converted.layers) == 3
+    np.testing.assert_allclose(kd.predict(converted, x)["probabilities"], to_numpy(plain(x)), atol=2e-5)
+
+
 def test_converted_transformer_against_monte_carlo_over_its_weights():
     """A converted Transformer classifier with the default variances (its weights trained
     briefly, so that its patterns are not uniform): the logits' variances against Monte Carlo
