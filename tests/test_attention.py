@@ -196,10 +196,11 @@ def test_convert_transformer_is_the_plain_function_at_tiny_variances(causal):
 
 def test_convert_encoder_decoder_with_cross_attention():
     """An encoder-decoder (two inputs, each embedded; the decoder's causal self-attention, then
-    its cross-attention to the encoder's output) converts whole, every attention a
-    `MultiHeadAttentionDVI`, and at tiny variances computes the plain probabilities."""
+    its cross-attention to the encoder's output, of another width) converts whole, every
+    attention a `MultiHeadAttentionDVI`, and at tiny variances computes the plain
+    probabilities."""
     encoder_tokens, decoder_tokens = keras.Input((10,), dtype="int32"), keras.Input((8,), dtype="int32")
-    e = layers.Embedding(30, 16)(encoder_tokens)
+    e = layers.Embedding(30, 12)(encoder_tokens)
     e = layers.LayerNormalization()(e + layers.MultiHeadAttention(2, 8)(e, e))
     d = layers.Embedding(30, 16)(decoder_tokens)
     d = layers.LayerNormalization()(d + layers.MultiHeadAttention(2, 8)(d, d, use_causal_mask=True))

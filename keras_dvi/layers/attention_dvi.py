@@ -5,7 +5,6 @@ from keras import ops
 
 from keras_dvi import packing, sampling, validation
 from keras_dvi.layers.base import BayesianLayer
-from keras_dvi.layers.kl_term import build_unplaced
 from keras_dvi.maths import attention
 
 #: The four projections, in the order of Keras' `MultiHeadAttention.weights`.
@@ -106,14 +105,14 @@ class MultiHeadAttentionDVI(BayesianLayer):
                   "value": ((value_width, heads, self.value_dim), (heads, self.value_dim)),
                   "output": ((heads, self.value_dim, out), (out,))}
         self._fan_ins = {"query": width, "key": value_width, "value": value_width, "output": heads * self.value_dim}
-        self._weights = {}
+        self._projections = {}
         for name in PROJECTIONS:
             kernel_var, bias_var = self._initial_variances(self._fan_ins[name])
             kernel_shape, bias_shape = shapes[name]
             kernel = self._gaussian_weights(f"{name}_kernel", kernel_shape, self.kernel_mean_initializer, kernel_var)
             bias = (self._gaussian_weights(f"{name}_bias", bias_shape, self.bias_mean_initializer, bias_var)
                     if self.use_bias else (None, None))
-            self._weights[name] = kernel + bias
+            self._projections[name] = kernel + bias
         self._fan_in = width
         self.kl_term.build(kind == packing.DETERMINISTIC)
 
@@ -125,13 +124,13 @@ class MultiHeadAttentionDVI(BayesianLayer):
         if projection not in PROJECTIONS:
             raise ValueError(f"Argument `projection` must be one of {PROJECTIONS}; received {projection!r}.")
         dtype = self.moment_dtype
-        kernel_mean, kernel_log_std, bias_mean, bias_log_std = self._weights[projection]
+        kernel_mean, kernel_log_std, bias_mean, bias_log_std = self._projections[projection]
         mean = lambda v: None if v is None else ops.cast(ops.convert_to_tensor(v), dtype)  # noqa: E731
         var = lambda v: None if v is None else ops.exp(2.0 * mean(v))  # noqa: E731
         return mean(kernel_mean), var(kernel_log_std), mean(bias_mean), var(bias_log_std)
 
     def prior_weights(self):
-        return [v for name in PROJECTIONS for v in (self._weights[name][0], self._weights[name][2]) if v is not None]
+        return [v for name in PROJECTIONS for v in (self._projections[name][0], self._projections[name][2]) if v is not None]
 
     def kl_divergence(self):
         """`KL(q || p)` of the four projections' kernels and biases, each set under the prior
@@ -140,7 +139,7 @@ class MultiHeadAttentionDVI(BayesianLayer):
         if self.regularizer is None:
             return kl
         for name in PROJECTIONS:
-            kernel_mean, kernel_log_std, bias_mean, bias_log_std = self._weights[name]
+            kernel_mean, kernel_log_std, bias_mean, bias_log_std = self._projections[name]
             sets = [(kernel_mean, kernel_log_std)] + ([(bias_mean, bias_log_std)] if bias_mean is not None else [])
             for mean, log_std in sets:
                 kl = kl + self.regularizer.kl(ops.convert_to_tensor(mean), ops.exp(2.0 * ops.convert_to_tensor(log_std)),
@@ -153,7 +152,7 @@ class MultiHeadAttentionDVI(BayesianLayer):
         if not self.built:
             raise ValueError(f"Layer {self.name!r} must be built before `set_posterior`.")
         self.posterior(projection)  # (checks the name)
-        variables = self._weights[projection]
+        variables = self._projections[projection]
         for arg, value, variable, is_variance in zip(
                 ("kernel_mean", "kernel_variance", "bias_mean", "bias_variance"),
                 (kernel_mean, kernel_variance, bias_mean, bias_variance), variables, (False, True, False, True)):
@@ -250,10 +249,8 @@ class MultiHeadAttentionDVI(BayesianLayer):
                         output_shape=int(output_kernel.shape[-1]), kernel_variance_init=kernel_variance,
                         bias_variance_init=bias_variance, name=kwargs.pop("name", layer.name), **kwargs)
         width, value_width = int(query_kernel.shape[0]), int(layer.value_dense.kernel.shape[0])
-        if value_width != width:
-            raise ValueError(f"keras_dvi converts self-attention and cross-attention between sequences of one width; "
-                             f"layer {layer.name!r} reads queries of width {width} and values of width {value_width}.")
-        build_unplaced(converted, (None, None, width))
+        converted.kl_term.unplaced = True  # (`build_unplaced` with the value's shape too)
+        converted.build((None, None, width), (None, None, value_width))
         for name, dense in zip(PROJECTIONS, (layer.query_dense, layer.key_dense, layer.value_dense,
                                              layer.output_dense)):
             current = converted.posterior(name)
