@@ -32,8 +32,8 @@ class MultiHeadAttentionDVI(BayesianLayer):
     converted Transformer its output is within 0.91-1.10 of Monte Carlo over the weights. The
     cost is `O(batch heads T S C^2)` time and `O(batch heads T C (C + S))` memory (the
     covariances across pairs of heads): for sequences and widths of tens (a Transformer of
-    width 16 on 12 tokens predicts at 3.6x the plain model's time on TensorFlow, one of width 64
-    on 32 tokens at 35x; BENCHMARKS.md, "Attention"), not for long contexts.
+    width 16 on 12 tokens predicts at 1.6x the plain model's time on TensorFlow, one of width 64
+    on 32 tokens at 10x; BENCHMARKS.md, "Attention"), not for long contexts.
 
     Args:
         num_heads: number of attention heads.
