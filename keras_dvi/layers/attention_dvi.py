@@ -31,9 +31,8 @@ class MultiHeadAttentionDVI(BayesianLayer):
     standard deviations at noise 0.1, where the softmax's curvature, left out, shows; in a
     converted Transformer its output is within 0.91-1.10 of Monte Carlo over the weights. The
     cost is `O(batch heads T S C^2)` time and `O(batch heads T C (C + S))` memory (the
-    covariances across pairs of heads): for sequences and widths of tens (a Transformer of
-    width 16 on 12 tokens predicts at 1.6x the plain model's time on TensorFlow, one of width 64
-    on 32 tokens at 10x; BENCHMARKS.md, "Attention"), not for long contexts.
+    covariances across pairs of heads): for sequences and widths of tens, not for long
+    contexts (BENCHMARKS.md, "Attention", measures it against the plain layer).
 
     Args:
         num_heads: number of attention heads.
