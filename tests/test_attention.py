@@ -194,6 +194,29 @@ def test_convert_transformer_is_the_plain_function_at_tiny_variances(causal):
     np.testing.assert_allclose(probabilities, to_numpy(plain(x)), atol=2e-5)
 
 
+def test_convert_pre_norm_language_model():
+    """A pre-norm decoder (GPT's layout: layer normalisation before each causal attention and
+    feed-forward block, residual sums, GELU, next-token logits at every position) converts
+    whole (the first normalisation, on the embedding, stays plain), computes the plain logits
+    at tiny variances, and comes back compiled with the per-position softmax loss."""
+    tokens = keras.Input((10,), dtype="int32")
+    x = layers.Embedding(30, 16)(tokens)
+    for _ in range(2):  # (two blocks: the second's normalisations read moments)
+        h = layers.LayerNormalization(epsilon=1e-6)(x)
+        x = x + layers.MultiHeadAttention(2, 8)(h, h, use_causal_mask=True)
+        h = layers.LayerNormalization(epsilon=1e-6)(x)
+        x = x + layers.Dense(16)(layers.Dense(32, activation="gelu")(h))
+    plain = keras.Model(tokens, layers.Dense(30)(layers.LayerNormalization(epsilon=1e-6)(x)))
+    plain.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(6).integers(0, 30, (2, 10))
+    converted = kd.convert(plain, **TINY)
+    assert sum(isinstance(layer, kd.MultiHeadAttentionDVI) for layer in converted.layers) == 2
+    mean = kd.unpack(converted.predict(x, verbose=0))[0]
+    np.testing.assert_allclose(mean, to_numpy(plain(x)), atol=2e-5)
+    assert isinstance(kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=32)).loss,
+                      kd.SoftmaxDeltaELL)  # (a per-position classifier: fit as segmentation is)
+
+
 def test_convert_encoder_decoder_with_cross_attention():
     """An encoder-decoder (two inputs, each embedded; the decoder's causal self-attention, then
     its cross-attention to the encoder's output, of another width) converts whole, every
