@@ -72,10 +72,10 @@ class AddDVI(MapLayer):
                              f"received {input_shape}.")
         shapes = [tuple(s) for s in input_shape]
         maps = [shape for shape in shapes if len(shape) >= 4]
-        if maps and not self._data_beside_maps(shapes) and vectors.on_vectors(self, shapes):
-            return self._vector_shapes(shapes)
         if not maps:
             return self._vector_shapes(shapes)
+        if not self._data_beside_maps(shapes):
+            vectors.on_vectors(self, shapes)  # (maps mixed with vectors: the error that says so)
         shapes = maps
         first = shapes[0]
         for other in shapes[1:]:
@@ -123,7 +123,7 @@ class AddDVI(MapLayer):
         if sampling.current_context(self) is not None:  # (samples, batch, ...) each; data (batch, K) broadcasts
             return apply_activation(functools.reduce(operator.add, inputs), self.activation)
         self._shapes([tuple(t.shape) for t in inputs])
-        if not self._data_beside_maps([t.shape for t in inputs]) and vectors.on_vectors(self, [t.shape for t in inputs]):
+        if all(len(t.shape) <= 3 for t in inputs):  # vectors (checked above)
             summed = functools.reduce(moments.add_moments, vectors.split(self, inputs))
             return vectors.activated(*summed, self.activation)
         rank = max(len(t.shape) for t in inputs) - 3

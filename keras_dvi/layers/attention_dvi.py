@@ -214,13 +214,12 @@ class MultiHeadAttentionDVI(BayesianLayer):
             x = ops.cast(x, self.moment_dtype)
             return x if len(x.shape) == 4 else ops.broadcast_to(x[None], (context.num_samples,) + tuple(ops.shape(x)))
 
-        def draw(mean, variance, with_batch_axis=True):
+        def draw(mean, variance):  # (samples, 1, ...): one draw per sample, shared by the batch
             if mean is None:
                 return None
             noise = keras.random.normal((context.num_samples,) + tuple(mean.shape), dtype=mean.dtype,
                                         seed=context.seed_generator)
-            drawn = mean + ops.sqrt(variance) * noise
-            return ops.expand_dims(drawn, 1) if with_batch_axis else drawn
+            return ops.expand_dims(mean + ops.sqrt(variance) * noise, 1)
 
         weights = []
         for name in PROJECTIONS:

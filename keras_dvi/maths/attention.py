@@ -78,12 +78,12 @@ def _residual(variance, shared):
 
 
 def pattern(query, key, mask=None):
-    """The attention pattern `softmax_s(q_t . k_s / sqrt(d))` of queries `(batch, heads, T, d)`
-    and keys `(batch, heads, S, d)`, `(batch, heads, T, S)`; `mask` `(batch, T, S)` (true:
+    """The attention pattern `softmax_s(q_t . k_s / sqrt(d))` of queries `(..., heads, T, d)`
+    and keys `(..., heads, S, d)`, `(..., heads, T, S)`; `mask` `(batch, T, S)` (true:
     attend) sets the other scores to `-1e9`, as Keras does."""
-    scores = ops.einsum("bhtd,bhsd->bhts", query, key) / math.sqrt(int(query.shape[-1]))
+    scores = ops.einsum("...htd,...hsd->...hts", query, key) / math.sqrt(int(query.shape[-1]))
     if mask is not None:
-        scores = ops.where(ops.expand_dims(ops.cast(mask, "bool"), 1), scores, ops.cast(_MASKED, scores.dtype))
+        scores = ops.where(ops.expand_dims(ops.cast(mask, "bool"), -3), scores, ops.cast(_MASKED, scores.dtype))
     return ops.softmax(scores, axis=-1)
 
 
@@ -102,10 +102,7 @@ def attend(query, value, query_weights, key_weights, value_weights, output_weigh
     weights."""
     q, k, v = (_project(x, *weights) for x, weights in
                ((query, query_weights), (value, key_weights), (value, value_weights)))
-    scores = ops.einsum("...htd,...hsd->...hts", q, k) / math.sqrt(int(q.shape[-1]))
-    if mask is not None:
-        scores = ops.where(ops.expand_dims(ops.cast(mask, "bool"), -3), scores, ops.cast(_MASKED, scores.dtype))
-    heads = ops.einsum("...hts,...hsd->...htd", ops.softmax(scores, axis=-1), v)
+    heads = ops.einsum("...hts,...hsd->...htd", pattern(q, k, mask), v)
     kernel, bias = output_weights
     out = ops.einsum("...htd,...hde->...te", heads, kernel)
     return out if bias is None else out + ops.expand_dims(bias, -2)
