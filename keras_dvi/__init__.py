@@ -14,7 +14,8 @@ networks without gradients. The public API, by topic:
   `GlobalAveragePooling2DDVI`, `GlobalMaxPooling1DDVI`, `GlobalMaxPooling2DDVI`, `FlattenDVI`, `AddDVI`, `ActivationDVI`, `MultiplyDVI`, `ConcatenateDVI`,
   `BatchNormalizationDVI`, `LayerNormalizationDVI`, `RMSNormalizationDVI`, `GroupNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`, `UpSampling1DDVI`, `UpSampling2DDVI`;
-* attention (Transformers): `MultiHeadAttentionDVI`;
+* attention (Transformers): `MultiHeadAttentionDVI`; a Vision Transformer's tokens:
+  `ReshapeDVI`, `PositionEmbeddingDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
   `ScalePriorRegularizer` (by default `kl_weight="auto"`: the ELBO for regression, the rule
@@ -71,6 +72,8 @@ _EXPORTS = {
     "BatchNormalizationDVI": "keras_dvi.layers",
     "LayerNormalizationDVI": "keras_dvi.layers",
     "MultiHeadAttentionDVI": "keras_dvi.layers",
+    "ReshapeDVI": "keras_dvi.layers",
+    "PositionEmbeddingDVI": "keras_dvi.layers",
     "ZeroPadding1DDVI": "keras_dvi.layers",
     "ZeroPadding2DDVI": "keras_dvi.layers",
     "Cropping1DDVI": "keras_dvi.layers",

@@ -2,6 +2,7 @@
 means ("train plain, convert, fine-tune")."""
 
 import functools
+import math
 import warnings
 
 import keras
@@ -148,6 +149,12 @@ class _Graph:
     def scales(self):
         """`{id: weight vector}` of the layer scales (`_channel_scale`), checked once."""
         found = {id(layer): _channel_scale(layer) for layer in self.layers}
+        return {key: weight for key, weight in found.items() if weight is not None}
+
+    @functools.cached_property
+    def embeddings(self):
+        """`{id: embedding}` of the position embeddings (`_position_embedding`), checked once."""
+        found = {id(layer): _position_embedding(layer) for layer in self.layers if id(layer) not in self.scales}
         return {key: weight for key, weight in found.items() if weight is not None}
 
 
@@ -329,24 +336,47 @@ def _is_grouped_depthwise(layer):
             and getattr(layer, "groups", 1) > 1 and int(layer.kernel.shape[-2]) == 1)
 
 
-def _channel_scale(layer):
-    """The weight vector of a layer that multiplies its input's last axis by its only weight
-    (ConvNeXt's `LayerScale`, whose class `keras.applications` keeps private), checked on a
-    random input; `None` for any other layer."""
+def _one_weight_map(layer, function):
+    """For a layer that is not Keras' own and has one weight `w`: `w` reshaped to the shape
+    of one input example if the layer computes `function(x, w)` on a random input `x`, else
+    `None` (checked on the probe; any other layer, or one that cannot run on it, is `None`)."""
     if (not isinstance(layer, keras.layers.Layer) or type(layer).__module__.startswith("keras.src.layers")
             or isinstance(layer, (keras.Model, keras.layers.InputLayer))
             or len(layer.weights) != 1 or not isinstance(layer.input, keras.KerasTensor)):
         return None
     shape = tuple(layer.input.shape)
     weight = keras.ops.convert_to_numpy(layer.weights[0]).astype("float64")
-    if weight.shape != shape[-1:] or any(size is None for size in shape[1:]):
+    if any(size is None for size in shape[1:]):
         return None
     probe = np.random.default_rng(0).normal(size=(2,) + shape[1:]).astype(layer.input.dtype)
+    expected = function(probe, weight)
+    if expected is None:
+        return None
     try:
         out = keras.ops.convert_to_numpy(layer(probe, training=False))
-    except Exception:  # noqa: BLE001 - any layer that cannot run on the probe is no scale
+    except Exception:  # noqa: BLE001 - any layer that cannot run on the probe computes no such map
         return None
-    return weight if out.shape == probe.shape and np.allclose(out, probe * weight, rtol=1e-5, atol=1e-6) else None
+    return weight if out.shape == probe.shape and np.allclose(out, expected, rtol=1e-5, atol=1e-6) else None
+
+
+def _channel_scale(layer):
+    """The weight vector of a layer that multiplies its input's last axis by its only weight
+    (ConvNeXt's `LayerScale`, whose class `keras.applications` keeps private), checked on a
+    random input; `None` for any other layer."""
+    return _one_weight_map(layer, lambda x, w: x * w if w.shape == x.shape[-1:] else None)
+
+
+def _position_embedding(layer):
+    """The embedding `(*spatial, channels)` of a layer that adds its only weight to its input,
+    one value per position and channel (a Vision Transformer's learned position embedding:
+    `x + E`, `E` of shape `(1, tokens, channels)` or `(tokens, channels)`, or an `Embedding` of
+    the positions inside the layer), checked on a random input; `None` for any other layer."""
+
+    def added(x, w):
+        return x + w.reshape(x.shape[1:]) if len(x.shape) >= 3 and w.size == math.prod(x.shape[1:]) else None
+
+    weight = _one_weight_map(layer, added)
+    return None if weight is None else weight.reshape(tuple(layer.input.shape)[1:])
 
 
 def _is_weight_layer(layer):
@@ -862,6 +892,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `GroupNormalization` (instance normalisation: `groups=-1`) of a feature map's channels or a vector's units | `GroupNormalizationDVI` |
     | `RMSNormalization` of a feature map's channels or a vector's units | `RMSNormalizationDVI` |
     | `MultiHeadAttention` on sequences (self-, cross- or causal attention, an `attention_mask`) | `MultiHeadAttentionDVI` |
+    | `Reshape` of a map's positions, channels kept (a Vision Transformer's patches into tokens); `Reshape` to one axis | `ReshapeDVI`; `FlattenDVI` |
+    | a layer that adds its one weight, one value per position and channel (a Vision Transformer's position embedding), after the first layer with weights | `PositionEmbeddingDVI` (a point estimate) |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
@@ -995,8 +1027,23 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                                  "dense form (keepdims=False).")
             extra = {"activation": act} if act not in (None, "linear") else {}
             converted = _GLOBAL_POOLING[type(layer)](data_format=layer.data_format, name=layer.name, **extra)
-        elif isinstance(layer, keras.layers.Flatten):
-            converted = dvi.FlattenDVI(data_format=layer.data_format, name=layer.name)
+        elif isinstance(layer, keras.layers.Flatten) or (isinstance(layer, keras.layers.Reshape)
+                                                          and len(layer.target_shape) == 1):
+            converted = dvi.FlattenDVI(data_format=getattr(layer, "data_format", "channels_last"), name=layer.name)
+        elif isinstance(layer, keras.layers.Reshape):
+            channels = tuple(layer.input.shape)[-1]
+            if (first_format == "channels_first" or len(layer.input.shape) < 3
+                    or layer.target_shape[-1] not in (channels, -1)
+                    or tuple(layer.output.shape)[-1] != channels):
+                raise ValueError(
+                    f"keras_dvi.convert: Reshape {layer.name!r} must rearrange the positions of a channels-last "
+                    "feature map or sequence and keep its channels (a Vision Transformer's patches into tokens, "
+                    f"keras_dvi.ReshapeDVI), or flatten it; it reshapes {tuple(layer.input.shape)} to "
+                    f"{tuple(layer.output.shape)}. To keep the layers up to it plain, convert only the layers after it "
+                    "(`last_layers=k`).")
+            converted = dvi.ReshapeDVI(layer.target_shape, name=layer.name)
+        elif key in graph.embeddings:
+            converted = dvi.PositionEmbeddingDVI.from_embeddings(graph.embeddings[key], name=layer.name)
         elif type(layer) in _RESHAPING:
             kind, argument = _RESHAPING[type(layer)]
             extra = {"interpolation": layer.interpolation} if isinstance(layer, keras.layers.UpSampling2D) else {}
@@ -1053,7 +1100,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "Flatten, Add, Multiply (squeeze-and-excitation), Concatenate "
                 "(vectors, or channels), ZeroPadding, Cropping, UpSampling, batch normalisation (folded, or on feature maps and "
                 "vectors), layer, RMS and group normalisation (of channels or units), layer scales (folded), folded "
-                "activations (layers, or operations that compute one), MultiHeadAttention, inference-time no-ops (Dropout), "
+                "activations (layers, or operations that compute one), MultiHeadAttention, Reshape (of a map's "
+                "positions), position embeddings (a layer adding its one weight), inference-time no-ops (Dropout), "
                 "and layers before the first layer with weights (an Embedding). To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")
         return converted

@@ -69,10 +69,10 @@ def prior_weight_count(layer):
     `kl_weight="auto"`, `keras_dvi.priors.auto_kl_weight`). Counts built layers only."""
     from keras_dvi import priors
 
-    return sum(int(math.prod(v.shape))
+    return sum(int(math.prod(mean.shape))
                for current in [layer, *network.layers_of(layer)]
                if isinstance(getattr(current, "regularizer", None), priors.PriorRegularizer) and current.built
-               for v in current.prior_weights())
+               for mean, _, _ in current.weight_sets())
 
 
 def trains_classifier(model):

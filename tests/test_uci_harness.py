@@ -195,6 +195,8 @@ def test_tagi_chooses_the_noise_by_cross_validation_on_training_rows_only(folder
     linearised and moment runs are cached apart."""
     monkeypatch.setattr(uci, "TAGI_EPOCHS", 2)
     monkeypatch.setattr(uci, "TAGI_NOISES", (0.1, 1.0))
+    monkeypatch.setattr(uci, "TAGI_EXTEND", 1)
+    monkeypatch.setattr(uci, "TAGI_PARABOLIC", 1)
     results = str(tmp_path / "results")
     path = os.path.join(results, os.path.basename(folder), "tagi", "split_0.json")
     seen = []

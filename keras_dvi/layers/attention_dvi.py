@@ -128,22 +128,16 @@ class MultiHeadAttentionDVI(BayesianLayer):
         var = lambda v: None if v is None else ops.exp(2.0 * mean(v))  # noqa: E731
         return mean(kernel_mean), var(kernel_log_std), mean(bias_mean), var(bias_log_std)
 
-    def prior_weights(self):
-        return [v for name in PROJECTIONS for v in (self._projections[name][0], self._projections[name][2]) if v is not None]
-
-    def kl_divergence(self):
-        """`KL(q || p)` of the four projections' kernels and biases, each set under the prior
-        with its own fan-in, in nats (0 without a regularizer)."""
-        kl = ops.zeros((), dtype=self.variable_dtype)
-        if self.regularizer is None:
-            return kl
+    def weight_sets(self):
+        """The four projections' kernels and biases, each `(mean, log_std, fan_in)` with its
+        projection's own fan-in (`kl_divergence` sums over them)."""
+        sets = []
         for name in PROJECTIONS:
             kernel_mean, kernel_log_std, bias_mean, bias_log_std = self._projections[name]
-            sets = [(kernel_mean, kernel_log_std)] + ([(bias_mean, bias_log_std)] if bias_mean is not None else [])
-            for mean, log_std in sets:
-                kl = kl + self.regularizer.kl(ops.convert_to_tensor(mean), ops.exp(2.0 * ops.convert_to_tensor(log_std)),
-                                              self._fan_ins[name])
-        return kl
+            sets.append((kernel_mean, kernel_log_std, self._fan_ins[name]))
+            if bias_mean is not None:
+                sets.append((bias_mean, bias_log_std, self._fan_ins[name]))
+        return sets
 
     def set_posterior(self, kernel_mean, kernel_variance, bias_mean=None, bias_variance=None, projection="query"):
         """Sets one projection's posterior moments (the layer must be built); shapes as in

@@ -140,10 +140,15 @@ class BayesianLayer(KerasDVILayer):
                                   initializer=keras.initializers.Constant(0.5 * math.log(variance)))
         return mean, log_std
 
-    def prior_weights(self):
-        """The posterior means of the weight sets under the layer's prior (kernel, bias): what
-        `kl_weight="auto"` counts."""
-        return [t for t in (self.kernel_mean, self.bias_mean) if t is not None]
+    def weight_sets(self):
+        """The layer's factorised Gaussian weight sets under its prior, each
+        `(mean, log_std, fan_in)` (the variables and the fan-in its prior variance is scaled
+        by): the kernel, then the bias. `kl_divergence` sums over them and `kl_weight="auto"`
+        counts their means; a layer with several sets (attention) lists them all."""
+        sets = [(self._kernel_mean, self._kernel_log_std, self._fan_in)]
+        if self._bias_mean is not None:
+            sets.append((self._bias_mean, self._bias_log_std, self._fan_in))
+        return sets
 
     @property
     def kernel_mean(self):
@@ -237,11 +242,11 @@ class BayesianLayer(KerasDVILayer):
         """`KL(q || p)` of this layer's weights (kernel and bias sets) in nats, or 0 without a
         regularizer. Its share of `-ELBO / N` (and of the logged `kl`) is this divided by the
         prior's `num_train`."""
+        kl = ops.zeros((), dtype=self.variable_dtype)
         if self.regularizer is None:
-            return ops.zeros((), dtype=self.variable_dtype)
-        kl = self.regularizer.kl(self.kernel_mean, self.kernel_variance, self._fan_in)
-        if self._bias_mean is not None:
-            kl = kl + self.regularizer.kl(self.bias_mean, self.bias_variance, self._fan_in)
+            return kl
+        for mean, log_std, fan_in in self.weight_sets():
+            kl = kl + self.regularizer.kl(ops.convert_to_tensor(mean), ops.exp(2.0 * ops.convert_to_tensor(log_std)), fan_in)
         return kl
 
     def _report_kl(self, training=False, data=None):

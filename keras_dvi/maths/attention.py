@@ -72,9 +72,7 @@ _MASKED = -1e9
 
 def _residual(variance, shared):
     """The independent part's variance `v - s^2` (zeros for a deterministic input)."""
-    if variance is None:
-        return None
-    return variance if shared is None else ops.maximum(variance - ops.square(shared), 0.0)
+    return None if variance is None else conv_moments.independent_variance(variance, shared)
 
 
 def pattern(query, key, mask=None):

@@ -139,6 +139,12 @@ def _positions(x):
     return ops.cast(ops.prod(ops.shape(x)[1:-1]), x.dtype)
 
 
+def independent_variance(variance, shared):
+    """The variance `v - s^2` of each unit's independent part, floored at 0 (`v` itself when
+    `shared` is `None`)."""
+    return variance if shared is None else ops.maximum(variance - ops.square(shared), 0.0)
+
+
 def clip_shared(shared, variance):
     """Keeps `|s| <= sqrt(v)` (the independent part's variance `v - s^2` is never negative;
     the square root is floored so its gradient stays finite where a unit has no variance)."""
@@ -234,7 +240,7 @@ def conv_moments(mean, kernel_mean, kernel_variance, bias_mean=None, bias_varian
         numerator = numerator + positions * bias_variance
     denominator = ops.sum(numerator, axis=axes)
     if variance is not None:
-        residual = variance if shared is None else ops.maximum(variance - ops.square(shared), 0.0)
+        residual = independent_variance(variance, shared)
         var_a = var_a + conv(residual, ops.square(kernel_mean))
     if shared is not None:
         # The input's shared components through the kernel means, with `s` at its window mean:
@@ -550,7 +556,7 @@ def average_pool_moments(mean, variance, shared, pool_size, strides, padding="va
     """Moments of average pooling (padding excluded from the average, as in Keras): exact
     within the representation. Returns `(mean, variance, shared)`."""
     count = window_sum(ops.ones_like(mean[..., :1]), pool_size, strides, padding)
-    residual = ops.maximum(variance - ops.square(shared), 0.0)
+    residual = independent_variance(variance, shared)
     mean_p = window_sum(mean, pool_size, strides, padding) / count
     shared_p = window_sum(shared, pool_size, strides, padding) / count
     residual_p = window_sum(residual, pool_size, strides, padding) / ops.square(count)
@@ -563,7 +569,7 @@ def global_average_pool_moments(mean, variance, shared):
     channels are independent. Returns `(mean, variance)`."""
     axes = spatial_axes(mean)
     positions = _positions(mean)
-    residual = ops.maximum(variance - ops.square(shared), 0.0)
+    residual = independent_variance(variance, shared)
     # (sums over the count: Keras' JAX `ops.mean` computes float64 inputs in float32)
     shared_p = ops.sum(shared, axis=axes) / positions
     return ops.sum(mean, axis=axes) / positions, ops.sum(residual, axis=axes) / ops.square(positions) + ops.square(shared_p)
@@ -672,7 +678,7 @@ def group_norm_moments(mean, variance, shared, groups, epsilon):
     per_group = int(mean.shape[-1]) // groups
     grouped = lambda t: ops.reshape(t, (shape[0], -1, groups, per_group))  # noqa: E731  (batch, positions, G, k)
     m, s = grouped(mean), grouped(shared)
-    independent = ops.maximum(grouped(variance) - ops.square(s), 0.0)
+    independent = grouped(independent_variance(variance, shared))
     axes = (1, 3)
     units = ops.cast(ops.shape(m)[1] * per_group, mean.dtype)  # n
     group_sum = lambda t: ops.sum(t, axis=axes, keepdims=True)  # noqa: E731
@@ -792,7 +798,7 @@ def interpolate_moments(mean, variance, shared, size, interpolation):
     (`average_pool_moments`). Neighbouring outputs, which share input units, are taken as
     independent beyond their shared components, as every two positions of a map are.
     Returns `(mean, variance, shared)`."""
-    residual = interpolate(ops.maximum(variance - ops.square(shared), 0.0), size, interpolation, squared=True)
+    residual = interpolate(independent_variance(variance, shared), size, interpolation, squared=True)
     shared = interpolate(shared, size, interpolation)
     return interpolate(mean, size, interpolation), residual + ops.square(shared), shared
 

@@ -1,0 +1,205 @@
+"""A Vision Transformer's tokens: `ReshapeDVI` (a map's positions rearranged, channels kept)
+and `PositionEmbeddingDVI` (a learned embedding added per position) against Monte Carlo over
+the weights, in networks (training, saving, sampling), and `convert` of a Vision Transformer
+(patches by a strided convolution, a `Reshape` into tokens, a position embedding written as a
+custom layer, encoder blocks, average pooling)."""
+
+import keras
+import numpy as np
+import pytest
+from keras import layers
+
+import keras_dvi as kd
+from tests.conftest import to_numpy
+
+TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class AddPositionEmbedding(layers.Layer):
+    """A position embedding as Vision Transformer code writes it: `x + E`, `E` one weight of
+    shape `(1, tokens, channels)`."""
+
+    def build(self, input_shape):
+        self.embedding = self.add_weight(shape=(1, *input_shape[1:]), name="embedding",
+                                         initializer=keras.initializers.RandomNormal(stddev=0.5))
+
+    def call(self, x):
+        return x + self.embedding
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class PositionalEncoder(layers.Layer):
+    """keras.io's Video Vision Transformer's encoder: an `Embedding` of the positions added to
+    the tokens (one weight, `(tokens, channels)`, held by a sub-layer)."""
+
+    def build(self, input_shape):
+        self.tokens = input_shape[1]
+        self.position_embedding = layers.Embedding(input_dim=self.tokens, output_dim=input_shape[-1],
+                                                   embeddings_initializer=keras.initializers.RandomNormal(stddev=0.5))
+        self.position_embedding.build((self.tokens,))
+
+    def call(self, x):
+        return x + self.position_embedding(keras.ops.arange(self.tokens))
+
+
+class ClassToken(layers.Layer):
+    """A class token: one learned token before the patches (`(batch, tokens + 1, channels)`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="class_token", **kwargs)
+
+    def build(self, input_shape):
+        self.token = self.add_weight(shape=(1, 1, input_shape[-1]), name="token")
+
+    def call(self, x):
+        token = keras.ops.broadcast_to(self.token, (keras.ops.shape(x)[0], 1, x.shape[-1]))
+        return keras.ops.concatenate([token, x], axis=1)
+
+
+def vision_transformer(embedding=AddPositionEmbedding, size=8, patch=2, width=16, heads=2, classes=10):
+    """A small Vision Transformer as Keras users write one functionally: patches by a strided
+    convolution, a `Reshape` into tokens, a position embedding, one pre-norm encoder block
+    (attention, residual, GELU feed-forward block, residual), layer normalisation, average
+    pooling, a softmax head."""
+    images = keras.Input((size, size, 1))
+    x = layers.Reshape((-1, width))(layers.Conv2D(width, patch, strides=patch)(images))
+    x = embedding()(x)
+    h = layers.LayerNormalization(epsilon=1e-6)(x)
+    x = layers.Add()([x, layers.MultiHeadAttention(heads, width // heads)(h, h)])
+    h = layers.LayerNormalization(epsilon=1e-6)(x)
+    x = layers.Add()([x, layers.Dense(width)(layers.Dense(2 * width, activation="gelu")(h))])
+    x = layers.GlobalAveragePooling1D()(layers.LayerNormalization(epsilon=1e-6)(x))
+    return keras.Model(images, layers.Dense(classes, activation="softmax")(x))
+
+
+def _within_standard_errors(variance, samples, errors=5.0):
+    """Whether each `variance` is within `errors` standard errors of the sample variance of
+    `samples` (draws on axis 1), the standard error from the draws' fourth moment (a ReLU's
+    rarely positive unit has a heavy-tailed square)."""
+    centred = samples - samples.mean(1, keepdims=True)
+    sample_variance = np.mean(centred ** 2, axis=1)
+    error = np.sqrt(np.maximum(np.mean(centred ** 4, axis=1) - sample_variance ** 2, 0.0) / samples.shape[1])
+    return np.abs(variance - sample_variance) <= errors * error + 1e-7
+
+
+def test_tokens_keep_each_units_moments_and_each_channels_shared_component():
+    """A first convolution's map reshaped into tokens, a position embedding added: against
+    20,000 draws of the weights, every token's mean and variance within 5 standard errors (a
+    first layer's units are exact). The reshape keeps the moments exactly: the tokens are the
+    map's units in Keras' order, each channel keeps its shared component (the average over the
+    tokens is the map's global average), and the embedding moves the means alone."""
+    rng = np.random.default_rng(0)
+    prior = kd.EmpiricalBayesRegularizer(num_train=100)
+    images = keras.Input((6, 6, 2))
+    patches = kd.Conv2DDVI(5, 2, strides=2, activation="relu", kernel_variance_init=0.3, regularizer=prior)(images)
+    tokens = kd.ReshapeDVI((-1, 5))(patches)
+    embedded = kd.PositionEmbeddingDVI(embeddings_initializer="random_normal")(tokens)
+    pooled = kd.GlobalAveragePooling1DDVI()(tokens)
+    map_pooled = kd.GlobalAveragePooling2DDVI()(patches)
+    model = keras.Model(images, [patches, tokens, embedded, pooled, map_pooled])
+    x = rng.normal(size=(3, 6, 6, 2)).astype("float32")
+    patches, tokens, embedded, pooled, map_pooled = (to_numpy(t) for t in model.predict(x, verbose=0))
+    assert tokens.shape == (3, 3, 9, 5)
+    np.testing.assert_array_equal(tokens, patches.reshape(3, 3, 9, 5))
+    embedding = to_numpy(model.layers[3].embeddings)
+    np.testing.assert_allclose(embedded[:, 0], tokens[:, 0] + embedding, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(embedded[:, 1:], tokens[:, 1:])
+    embedded_model = keras.Model(model.input, model.outputs[2])
+    samples = to_numpy(kd.predict_samples(embedded_model, x, num_samples=20000))  # (batch, S, tokens, channels)
+    assert samples.shape == (3, 20000, 9, 5)
+    sd = samples.std(1)
+    assert np.all(np.abs(embedded[:, 0] - samples.mean(1)) < 5 * sd / np.sqrt(20000) + 1e-6)
+    assert np.all(_within_standard_errors(embedded[:, 1], samples)), embedded[:, 1] / samples.var(1)
+    np.testing.assert_allclose(pooled, map_pooled, rtol=1e-6, atol=1e-7)
+    assert np.all(tokens[:, 2] != 0)  # (shared components to keep)
+
+
+@pytest.mark.parametrize("embedding", [AddPositionEmbedding, PositionalEncoder])
+def test_convert_vision_transformer_is_the_plain_function_at_tiny_variances(embedding):
+    """`convert` maps the `Reshape` into tokens to `ReshapeDVI` and the custom position
+    embedding (its one weight, recognised on a random input) to `PositionEmbeddingDVI`, makes
+    the patch convolution and every later layer Bayesian, and at tiny variances computes the
+    plain probabilities."""
+    keras.utils.set_random_seed(0)
+    plain = vision_transformer(embedding)
+    x = np.random.default_rng(1).uniform(size=(4, 8, 8, 1)).astype("float32")
+    converted = kd.convert(plain, **TINY)
+    kinds = [type(layer).__name__ for layer in converted.layers]
+    assert kinds[1:4] == ["Conv2DDVI", "ReshapeDVI", "PositionEmbeddingDVI"], kinds
+    assert "MultiHeadAttentionDVI" in kinds
+    np.testing.assert_allclose(kd.predict(converted, x)["probabilities"], to_numpy(plain(x)), atol=2e-5)
+
+
+def test_tokens_train_save_and_sample(tmp_path):
+    """A hand-built network on tokens (patches by a strided convolution, `ReshapeDVI`,
+    `PositionEmbeddingDVI`, layer normalisation, flatten, a dense head) fits 8x8
+    digits (the negative log-likelihood falls and the embedding moves: it trains as a point
+    estimate), a `.keras` round trip predicts the same numbers, and `predict_samples` draws
+    finite logits. A converted Vision Transformer's moments against Monte Carlo over its
+    weights: BENCHMARKS.md, "Attention"."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.images[:256, ..., None] / 16.0).astype("float32"), digits.target[:256]
+    keras.utils.set_random_seed(2)
+    prior = kd.EmpiricalBayesRegularizer(num_train=len(x))
+    images = keras.Input((8, 8, 1))
+    h = kd.Conv2DDVI(16, 2, strides=2, regularizer=prior)(images)
+    embedding = kd.PositionEmbeddingDVI()
+    h = kd.LayerNormalizationDVI(activation="gelu")(embedding(kd.ReshapeDVI((16, 16))(h)))
+    model = keras.Model(images, kd.DenseDVI(10, regularizer=prior)(kd.FlattenDVI()(h)))
+    model.compile(keras.optimizers.Adam(1e-2), loss=kd.SoftmaxDeltaELL())
+    start = to_numpy(embedding.embeddings).copy()
+    history = model.fit(x, y, epochs=6, batch_size=32, verbose=0)
+    assert history.history["nll"][-1] < history.history["nll"][0]
+    assert np.abs(to_numpy(embedding.embeddings) - start).max() > 1e-3
+    predictions = to_numpy(model.predict(x[:4], verbose=0))
+    path = tmp_path / "tokens.keras"
+    model.save(path)
+    np.testing.assert_array_equal(to_numpy(keras.models.load_model(path).predict(x[:4], verbose=0)), predictions)
+    samples = np.asarray(kd.predict_samples(model, x[:4], num_samples=5))
+    assert samples.shape == (4, 5, 10) and np.isfinite(samples).all()
+
+
+@pytest.mark.filterwarnings("ignore:.*that no keras-dvi layer produced")
+def test_misuse_is_loud():
+    """A target shape that changes the channels or the number of units, a malformed one, data
+    instead of moments, channels-first maps, and, in `convert`, a `Reshape` that splits the
+    channels and a class token (a custom layer that is no position embedding), each refused
+    by name."""
+    packed = keras.Input((3, 4, 6, 5))  # (a packed map: batch, 3, rows, cols, channels)
+    with pytest.raises(ValueError, match="target_shape"):
+        kd.ReshapeDVI((24, 4))(packed)
+    with pytest.raises(ValueError, match="target_shape"):
+        kd.ReshapeDVI((23, 5))(packed)
+    for bad in ((24,), (0, 5), (-1, -1), "24, 5"):
+        with pytest.raises(ValueError, match="target_shape"):
+            kd.ReshapeDVI(bad)
+    with pytest.raises(ValueError, match="data"):
+        kd.ReshapeDVI((24, 5))(keras.Input((4, 6, 5)))
+    with pytest.raises(ValueError, match="data_format"):
+        kd.ReshapeDVI((24, 5), data_format="channels_first")
+    with pytest.raises(ValueError, match="data_format"):
+        kd.PositionEmbeddingDVI(data_format="channels_first")
+    images = keras.Input((8, 8, 1))
+    x = layers.Reshape((16, 2, 8))(layers.Conv2D(16, 2, strides=2)(images))  # (the channels split into heads)
+    plain = keras.Model(images, layers.Dense(3, activation="softmax")(layers.Flatten()(x)))
+    with pytest.raises(ValueError, match="Reshape"):
+        kd.convert(plain, **TINY)
+    tokens = layers.Reshape((16, 16))(layers.Conv2D(16, 2, strides=2)(images))
+    pooled = layers.GlobalAveragePooling1D()(ClassToken()(tokens))
+    plain = keras.Model(images, layers.Dense(3, activation="softmax")(pooled))
+    with pytest.raises(ValueError, match="'class_token' .ClassToken. has no keras-dvi counterpart"):
+        kd.convert(plain, **TINY)
+
+
+def test_config_round_trip():
+    """`get_config` / `from_config` rebuild both layers, and a `.keras` file of a hand-built
+    network predicts the same numbers."""
+    layer = kd.ReshapeDVI((-1, 5), name="tokens")
+    clone = kd.ReshapeDVI.from_config(layer.get_config())
+    assert clone.target_shape == (-1, 5) and clone.name == "tokens"
+    embedding = kd.PositionEmbeddingDVI(embeddings_initializer="zeros")
+    assert isinstance(kd.PositionEmbeddingDVI.from_config(embedding.get_config()).embeddings_initializer,
+                      keras.initializers.Zeros)
