@@ -163,6 +163,22 @@ def _inlinable(layer):
     return isinstance(layer, keras.Sequential) or isinstance(layer, keras.Model) and hasattr(layer, "operations")
 
 
+def _rebuilt(layer):
+    """A copy of a layer `convert` keeps plain, from its config (the plain model is left as it
+    was); a layer without weights that cannot be rebuilt (a custom layer without `get_config`)
+    is used as it is, since it holds no state; one with weights is refused by name."""
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as error:  # noqa: BLE001 - whatever the layer's own constructor raises
+        if not layer.weights:
+            return layer
+        raise ValueError(
+            f"keras_dvi.convert copies the layers it keeps plain, and layer {layer.name!r} ({type(layer).__name__}) "
+            f"cannot be rebuilt from its config ({type(error).__name__}: {error}). Give its `__init__` a `**kwargs` "
+            "passed on to `super().__init__(**kwargs)` and a `get_config` that returns its own arguments (what "
+            "Keras needs to save the model, too).") from error
+
+
 def _inlined(model):
     """`model` with its nested models inlined, at any depth: a functional model on copies of
     all their layers and of the model's own, with their weights (a backbone under a head,
@@ -180,8 +196,9 @@ def _inlined(model):
             return layer  # (inlined when called)
         if _is_operation(layer):  # (`x + 3.0`: stateless, but its `input` must be this graph's tensors)
             return type(layer).from_config(layer.get_config())
-        duplicate = layer.__class__.from_config(layer.get_config())
-        copies.append((layer, duplicate))
+        duplicate = _rebuilt(layer)
+        if duplicate is not layer:
+            copies.append((layer, duplicate))
         return duplicate
 
     def call(layer, *args, **kwargs):
@@ -337,9 +354,9 @@ def _is_grouped_depthwise(layer):
 
 
 def _one_weight_map(layer, function):
-    """For a layer that is not Keras' own and has one weight `w`: `w` reshaped to the shape
-    of one input example if the layer computes `function(x, w)` on a random input `x`, else
-    `None` (checked on the probe; any other layer, or one that cannot run on it, is `None`)."""
+    """For a layer that is not Keras' own and has one weight `w`: `w` (float64) if the layer
+    computes `function(x, w)` on a random input `x` (`function` returns `None` where `w`'s
+    shape cannot fit), else `None` (any other layer, or one that cannot run on the probe)."""
     if (not isinstance(layer, keras.layers.Layer) or type(layer).__module__.startswith("keras.src.layers")
             or isinstance(layer, (keras.Model, keras.layers.InputLayer))
             or len(layer.weights) != 1 or not isinstance(layer.input, keras.KerasTensor)):
@@ -996,8 +1013,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             return layer  # an operation such as `x + y`: stateless, nothing to copy
         if key in plain or isinstance(layer, keras.layers.InputLayer):
             copy = (keras.models.clone_model(layer) if isinstance(layer, keras.Model)
-                    else layer.__class__.from_config(layer.get_config()))
-            kept.append((layer, copy))
+                    else layer.__class__.from_config(layer.get_config()) if isinstance(layer, keras.layers.InputLayer)
+                    else _rebuilt(layer))
+            if copy is not layer:
+                kept.append((layer, copy))
             return copy
         if key in identity or isinstance(layer, _INFERENCE_IDENTITY):
             placeholder = keras.layers.Identity(name=layer.name)
@@ -1028,7 +1047,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             extra = {"activation": act} if act not in (None, "linear") else {}
             converted = _GLOBAL_POOLING[type(layer)](data_format=layer.data_format, name=layer.name, **extra)
         elif isinstance(layer, keras.layers.Flatten) or (isinstance(layer, keras.layers.Reshape)
-                                                          and len(layer.target_shape) == 1):
+                                                          and len(layer.target_shape) == 1
+                                                          and len(layer.input.shape) >= 3):
             converted = dvi.FlattenDVI(data_format=getattr(layer, "data_format", "channels_last"), name=layer.name)
         elif isinstance(layer, keras.layers.Reshape):
             channels = tuple(layer.input.shape)[-1]

@@ -793,7 +793,7 @@ def test_what_cannot_be_converted_is_refused_by_name():
     refused([keras.layers.Dense(4), keras.layers.Dense(3, activation="softmax"), keras.layers.Dense(2)],
             "applies a softmax inside the network")
     refused([keras.layers.Dense(4), keras.layers.Reshape((2, 2)), keras.layers.LSTM(2, name="lstm")],
-            "'reshape.*' \\(Reshape\\) has no keras-dvi counterpart")
+            "Reshape 'reshape.*' must rearrange the positions of a channels-last feature map")
     already = keras.Sequential([keras.Input((8,)), kd.DenseDVI(2)])
     with pytest.raises(ValueError, match="already has keras-dvi layers"):
         kd.convert(already)

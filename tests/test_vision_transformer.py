@@ -57,6 +57,65 @@ class ClassToken(layers.Layer):
         return keras.ops.concatenate([token, x], axis=1)
 
 
+class Patches(layers.Layer):
+    """keras.io's Vision Transformer's patches, as written there (no `**kwargs`, no
+    `get_config`: Keras cannot rebuild it from its config)."""
+
+    def __init__(self, patch_size):
+        super().__init__()
+        self.patch_size = patch_size
+
+    def call(self, images):
+        shape = keras.ops.shape(images)
+        patches = keras.ops.image.extract_patches(images, size=self.patch_size)
+        return keras.ops.reshape(patches, (shape[0], (shape[1] // self.patch_size) * (shape[2] // self.patch_size),
+                                           self.patch_size * self.patch_size * shape[3]))
+
+
+class PatchEncoder(layers.Layer):
+    """keras.io's patch encoder (a projection plus an `Embedding` of the positions), as
+    written there (no `**kwargs`)."""
+
+    def __init__(self, num_patches, projection_dim):
+        super().__init__()
+        self._parts(num_patches, projection_dim)
+
+    def _parts(self, num_patches, projection_dim):
+        self.num_patches = num_patches
+        self.projection = layers.Dense(units=projection_dim)
+        self.position_embedding = layers.Embedding(input_dim=num_patches, output_dim=projection_dim)
+
+    def call(self, patch):
+        positions = keras.ops.expand_dims(keras.ops.arange(start=0, stop=self.num_patches, step=1), axis=0)
+        return self.projection(patch) + self.position_embedding(positions)
+
+
+class KeywordPatchEncoder(PatchEncoder):
+    """The same with the one change Keras asks of a custom layer: `**kwargs` passed on."""
+
+    def __init__(self, num_patches, projection_dim, **kwargs):
+        layers.Layer.__init__(self, **kwargs)
+        self._parts(num_patches, projection_dim)
+
+
+def kerasio_vision_transformer(keyword_arguments=True, image=16, patch=4, width=8, heads=2):
+    """keras.io's "Image classification with Vision Transformer", small: augmentation,
+    `Patches`, `PatchEncoder`, a pre-norm block (dropout in the attention, a GELU MLP), layer
+    normalisation, flatten, an MLP head, logits."""
+    inputs = keras.Input((image, image, 1))
+    augmented = keras.Sequential([layers.Normalization(), layers.Resizing(image, image),
+                                  layers.RandomFlip("horizontal")], name="data_augmentation")(inputs)
+    encoder = KeywordPatchEncoder if keyword_arguments else PatchEncoder
+    encoded = encoder((image // patch) ** 2, width)(Patches(patch)(augmented))
+    x1 = layers.LayerNormalization(epsilon=1e-6)(encoded)
+    x2 = layers.Add()([layers.MultiHeadAttention(num_heads=heads, key_dim=width, dropout=0.1)(x1, x1), encoded])
+    x3 = layers.LayerNormalization(epsilon=1e-6)(x2)
+    x3 = layers.Dense(width, activation=keras.activations.gelu)(layers.Dense(2 * width, activation=keras.activations.gelu)(x3))
+    representation = layers.Flatten()(layers.LayerNormalization(epsilon=1e-6)(layers.Add()([x3, x2])))
+    features = layers.Dense(16, activation=keras.activations.gelu)(layers.Dropout(0.5)(representation))
+    return keras.Model(inputs, layers.Dense(10)(features))
+
+
 def vision_transformer(embedding=AddPositionEmbedding, size=8, patch=2, width=16, heads=2, classes=10):
     """A small Vision Transformer as Keras users write one functionally: patches by a strided
     convolution, a `Reshape` into tokens, a position embedding, one pre-norm encoder block
@@ -128,6 +187,38 @@ def test_convert_vision_transformer_is_the_plain_function_at_tiny_variances(embe
     kinds = [type(layer).__name__ for layer in converted.layers]
     assert kinds[1:4] == ["Conv2DDVI", "ReshapeDVI", "PositionEmbeddingDVI"], kinds
     assert "MultiHeadAttentionDVI" in kinds
+    np.testing.assert_allclose(kd.predict(converted, x)["probabilities"], to_numpy(plain(x)), atol=2e-5)
+
+
+def test_kerasio_vision_transformer_converts_with_its_patch_layers_plain():
+    """keras.io's Vision Transformer: its `Patches` and `PatchEncoder` come before the first
+    Keras layer with weights and stay plain, as an embedding does (`Patches`, which Keras
+    cannot rebuild from its config, is used as it is: it holds no state); the attention block
+    and the head become Bayesian, and at tiny variances the converted model's logits are the
+    plain model's (`predict`: `RandomFlip` flips when the model is called directly). Without
+    `**kwargs`, `PatchEncoder` (which has weights) is refused by name, with the fix."""
+    keras.utils.set_random_seed(4)
+    plain = kerasio_vision_transformer()
+    plain.get_layer("data_augmentation").layers[0].adapt(np.random.default_rng(0).uniform(size=(16, 16, 16, 1)))
+    converted = kd.convert(plain, **TINY)
+    kinds = [type(layer).__name__ for layer in converted.layers]
+    assert kinds[4:8] == ["Patches", "KeywordPatchEncoder", "LayerNormalization", "MultiHeadAttentionDVI"], kinds
+    x = np.random.default_rng(5).uniform(size=(3, 16, 16, 1)).astype("float32")
+    np.testing.assert_allclose(kd.unpack(converted.predict(x, verbose=0))[0], plain.predict(x, verbose=0), atol=2e-5)
+    with pytest.raises(ValueError, match="(?s)'patch_encoder.*' .PatchEncoder. cannot be rebuilt from its config.*\\*\\*kwargs"):
+        kd.convert(kerasio_vision_transformer(keyword_arguments=False), **TINY)
+
+
+def test_convert_reshape_to_one_axis_is_flatten():
+    """A `Reshape((-1,))` that flattens a map (as `Flatten` would) becomes `FlattenDVI`, and
+    the converted CNN computes the plain probabilities at tiny variances."""
+    keras.utils.set_random_seed(3)
+    images = keras.Input((6, 6, 1))
+    x = layers.Reshape((-1,))(layers.Conv2D(4, 3, activation="relu")(images))
+    plain = keras.Model(images, layers.Dense(3, activation="softmax")(x))
+    converted = kd.convert(plain, **TINY)
+    assert [type(layer).__name__ for layer in converted.layers][1:] == ["Conv2DDVI", "FlattenDVI", "DenseDVI"]
+    x = np.random.default_rng(3).uniform(size=(4, 6, 6, 1)).astype("float32")
     np.testing.assert_allclose(kd.predict(converted, x)["probabilities"], to_numpy(plain(x)), atol=2e-5)
 
 

@@ -103,6 +103,7 @@ def _ct_scan_classifier(width=16, height=16, depth=8):
     return keras.Model(inputs, outputs, name="3dcnn")
 
 
+@pytest.mark.heavy  # (a minute on a busy worker: scheduled first, with the other long tests)
 def test_kerasio_ct_scan_classifier_converts_trains_and_saves(tmp_path):
     """keras.io's 3D CT-scan classifier converts layer for layer (the ReLUs move onto the max
     poolings, batch normalisation after a pooling becomes `BatchNormalizationDVI`, the sigmoid
