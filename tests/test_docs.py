@@ -26,7 +26,7 @@ PAGES = ["README.md"] + sorted(
 )
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 #: The most epochs `fit` runs in an example under test (`test_examples_run`).
-EXAMPLE_EPOCHS = 2
+EXAMPLE_EPOCHS = 1
 
 
 def python_blocks(page):

@@ -193,7 +193,7 @@ def test_tagi_chooses_the_noise_by_cross_validation_on_training_rows_only(folder
     on the training rows (the test rows never enter the choice), the record keeps every
     scored value, a grid-only record is refined later without recomputing its grid, and the
     linearised and moment runs are cached apart."""
-    monkeypatch.setattr(uci, "TAGI_EPOCHS", 2)
+    monkeypatch.setattr(uci, "TAGI_EPOCHS", 1)
     monkeypatch.setattr(uci, "TAGI_NOISES", (0.1, 1.0))
     monkeypatch.setattr(uci, "TAGI_EXTEND", 1)
     monkeypatch.setattr(uci, "TAGI_PARABOLIC", 1)
