@@ -360,18 +360,18 @@ def _digits_classifier(num_train, method="jankowiak", **prior_args):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("settings, collapses", [
-    ({}, False),
-    ({"kl_weight": 1.0, "kl_warmup_steps": 0, "method": "delta"}, True),
+@pytest.mark.parametrize("settings, collapses, epochs", [
+    ({}, False, 165),
+    ({"kl_weight": 1.0, "kl_warmup_steps": 0, "method": "delta"}, True, 50),
 ])
-def test_a_classifier_with_the_defaults_does_not_collapse_to_the_prior(settings, collapses):
+def test_a_classifier_with_the_defaults_does_not_collapse_to_the_prior(settings, collapses, epochs):
     """The README's few lines on 500 digits, 3,300 steps (past the default 3,000-step warm-up, so
     the objective the prior states is trained at the end: the defaults' KL weight min(1, N / P)
     = 500 / 17,710). The full ELBO without the KL warm-up (the second case) collapses: the KL's
-    gradient wins at the start and the network predicts chance."""
+    gradient wins at the start and the network predicts chance (checked after 1,000 steps)."""
     (x, y), (x_test, y_test) = _digits()
     model = _digits_classifier(len(x), **settings)
-    model.fit(x, y, epochs=165, batch_size=25, verbose=0)
+    model.fit(x, y, epochs=epochs, batch_size=25, verbose=0)
     probs = to_numpy(kd.predictive.class_probabilities(model.predict(x_test, verbose=0)))
     accuracy = (probs.argmax(-1) == y_test).mean()
     if collapses:
