@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from keras_dvi import packing, sampling, validation
-from keras_dvi.layers.base import BayesianLayer
+from keras_dvi.layers.base import BayesianLayer, variance_of
 from keras_dvi.maths import attention
 
 #: The four projections, in the order of Keras' `MultiHeadAttention.weights`.
@@ -125,8 +125,7 @@ class MultiHeadAttentionDVI(BayesianLayer):
         dtype = self.moment_dtype
         kernel_mean, kernel_log_std, bias_mean, bias_log_std = self._projections[projection]
         mean = lambda v: None if v is None else ops.cast(ops.convert_to_tensor(v), dtype)  # noqa: E731
-        var = lambda v: None if v is None else ops.exp(2.0 * mean(v))  # noqa: E731
-        return mean(kernel_mean), var(kernel_log_std), mean(bias_mean), var(bias_log_std)
+        return mean(kernel_mean), variance_of(mean(kernel_log_std)), mean(bias_mean), variance_of(mean(bias_log_std))
 
     def weight_sets(self):
         """The four projections' kernels and biases, each `(mean, log_std, fan_in)` with its

@@ -10,7 +10,6 @@ weight draws by composition.
 """
 
 import inspect
-import math
 import warnings
 
 import keras
@@ -24,6 +23,18 @@ from keras_dvi.maths import moments
 
 #: Default posterior variance of each kernel weight at initialisation, times fan-in.
 DEFAULT_KERNEL_VARIANCE_SCALE = 0.03
+
+
+def variance_of(log_std):
+    """The variances `exp(2 log_std)` of weights stored, as every `BayesianLayer` stores its
+    posterior, by their log standard deviations (a variable or tensor); `None` for `None` (a
+    layer without bias)."""
+    return None if log_std is None else ops.exp(2.0 * ops.convert_to_tensor(log_std))
+
+
+def log_std_of(variance):
+    """The inverse of `variance_of` on a positive number or NumPy array: `0.5 log(variance)`."""
+    return 0.5 * np.log(variance)
 
 
 def _show_base_arguments(cls):
@@ -137,7 +148,7 @@ class BayesianLayer(KerasDVILayer):
         precision: `moment_dtype`)."""
         mean = self.add_weight(name=f"{name}_mean", shape=shape, initializer=mean_initializer, autocast=False)
         log_std = self.add_weight(name=f"{name}_log_std", shape=shape, autocast=False,
-                                  initializer=keras.initializers.Constant(0.5 * math.log(variance)))
+                                  initializer=keras.initializers.Constant(float(log_std_of(variance))))
         return mean, log_std
 
     def weight_sets(self):
@@ -158,7 +169,7 @@ class BayesianLayer(KerasDVILayer):
     @property
     def kernel_variance(self):
         """Posterior variances of the kernel, shaped as `kernel_mean`, always >= 0."""
-        return ops.exp(2.0 * ops.convert_to_tensor(self._kernel_log_std))
+        return variance_of(self._kernel_log_std)
 
     @property
     def bias_mean(self):
@@ -168,9 +179,7 @@ class BayesianLayer(KerasDVILayer):
     @property
     def bias_variance(self):
         """Posterior variances of the bias, `(units,)`, or `None` without a bias."""
-        if self._bias_log_std is None:
-            return None
-        return ops.exp(2.0 * ops.convert_to_tensor(self._bias_log_std))
+        return variance_of(self._bias_log_std)
 
     def _posterior(self):
         """Posterior moments cast to the moment dtype."""
@@ -226,7 +235,7 @@ class BayesianLayer(KerasDVILayer):
         if is_variance:
             if not (value > 0).all() or not (value < float("inf")).all():
                 raise ValueError(f"Argument `{arg}` must be positive and finite.")
-            value = 0.5 * np.log(value)
+            value = log_std_of(value)
         variable.assign(ops.cast(value, variable.dtype))
 
     # ---------------------------------------------------------------- calling
@@ -246,7 +255,7 @@ class BayesianLayer(KerasDVILayer):
         if self.regularizer is None:
             return kl
         for mean, log_std, fan_in in self.weight_sets():
-            kl = kl + self.regularizer.kl(ops.convert_to_tensor(mean), ops.exp(2.0 * ops.convert_to_tensor(log_std)), fan_in)
+            kl = kl + self.regularizer.kl(ops.convert_to_tensor(mean), variance_of(log_std), fan_in)
         return kl
 
     def _report_kl(self, training=False, data=None):

@@ -10,6 +10,7 @@ import numpy as np
 from keras import ops
 
 from keras_dvi import packing, predictive
+from keras_dvi.layers.base import variance_of
 from keras_dvi.layers.conv_dvi import ConvDVI
 from keras_dvi.layers.dense_diag_dvi import DenseDiagDVI
 from keras_dvi.layers.pooling_dvi import AveragePoolingDVI, MaxPoolingDVI
@@ -235,7 +236,7 @@ class TAGIModel(keras.Model):
         for idx in indices:
             get = lambda i: None if i is None else ops.cast(values[i], dtype)  # noqa: E731
             km, kls, bm, bls = (get(i) for i in idx)
-            params.append((km, ops.exp(2.0 * kls), bm, None if bls is None else ops.exp(2.0 * bls)))
+            params.append((km, variance_of(kls), bm, variance_of(bls)))
         return params
 
     def _inputs(self, x):
