@@ -66,6 +66,14 @@ def to_numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
+def reloaded(model, folder, name="model"):
+    """`model` after a `.keras` round trip: saved as `folder/name.keras` and loaded back in
+    safe mode (Keras' default), as a user's saved model is. Tests compare what it predicts."""
+    path = os.path.join(folder, f"{name}.keras")
+    model.save(path)
+    return keras.saving.load_model(path, safe_mode=True)
+
+
 def plain_outputs(model, x):
     """A plain Keras model's `model(x, training=False)` as NumPy, the oracle of a conversion.
     A channels-first model runs compiled by XLA on TensorFlow: TensorFlow's own CPU kernels

@@ -11,7 +11,7 @@ from keras import layers, ops
 
 import keras_dvi as kd
 from keras_dvi.maths import attention
-from tests.conftest import gradients, to_numpy
+from tests.conftest import gradients, reloaded, to_numpy
 
 TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
 
@@ -279,9 +279,7 @@ def test_layer_trains_saves_and_samples(tmp_path):
     assert history.history["nll"][-1] < history.history["nll"][0]
     assert kd.objective.prior_weight_count(attention_layer) == 4 * 64 + 3 * 8 + 8  # (kernels, biases)
     predictions = to_numpy(model.predict(x[:4], verbose=0))
-    path = tmp_path / "transformer.keras"
-    model.save(path)
-    np.testing.assert_array_equal(to_numpy(keras.models.load_model(path).predict(x[:4], verbose=0)), predictions)
+    np.testing.assert_array_equal(to_numpy(reloaded(model, tmp_path, "transformer").predict(x[:4], verbose=0)), predictions)
     samples = np.asarray(kd.predict_samples(model, x[:4], num_samples=6))
     assert samples.shape == (4, 6, 2) and np.isfinite(samples).all()
 

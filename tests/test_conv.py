@@ -12,7 +12,7 @@ from keras import ops
 
 import keras_dvi as kd
 from keras_dvi import conv_moments
-from tests.conftest import plain_outputs, to_numpy
+from tests.conftest import plain_outputs, reloaded, to_numpy
 
 # --------------------------------------------------------------------------- helpers
 
@@ -699,9 +699,7 @@ def test_trains_saves_and_loads_in_safe_mode(tmp_path):
     conv = model.layers[0]
     assert int(to_numpy(conv.kl_step)) == 24 and int(to_numpy(conv.kl_warmup_length)) == 18  # auto: 3/4 of 24
     assert conv.kl_term.warmup_done() and float(to_numpy(conv.kl_term.weight(training=True))) == pytest.approx(1.0)
-    path = tmp_path / "cnn.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(model, tmp_path, "cnn")
     np.testing.assert_allclose(to_numpy(loaded(x[:8])), to_numpy(model(x[:8])), rtol=1e-6, atol=1e-6)
     probabilities = kd.predict(loaded, x[:8])["probabilities"]
     assert probabilities.shape == (8, 3) and np.allclose(probabilities.sum(-1), 1, atol=1e-5)
@@ -1079,9 +1077,7 @@ def test_channels_first_round_trips_converts_and_is_checked(tmp_path, image_data
     model.compile(keras.optimizers.Adam(1e-3), loss=kd.SoftmaxDeltaELL())
     x = np.moveaxis(_images(12, rows=4), -1, 1)
     model.fit(x, np.arange(4) % 3, epochs=1, verbose=0)
-    path = str(tmp_path / "first.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(model, tmp_path, "first")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
     # A plain channels-first network, converted layer by layer.
     keras.config.set_image_data_format("channels_first")

@@ -11,7 +11,7 @@ import pytest
 
 import keras_dvi as kd
 from benchmarks.experiments.converted_against_monte_carlo import agreements, calibrate_batch_norm, randomise_batch_norm
-from tests.conftest import plain_outputs, to_numpy
+from tests.conftest import plain_outputs, reloaded, to_numpy
 
 TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
 
@@ -125,8 +125,7 @@ def test_frozen_layers_stay_frozen_with_a_warning(tmp_path):
     after = posteriors()
     assert all(np.array_equal(b, a) for b, a in zip(before[0], after[0]))  # frozen
     assert not any(np.array_equal(b, a) for b, a in zip(before[1], after[1]))  # trained
-    converted.save(tmp_path / "frozen.keras")
-    assert not keras.saving.load_model(tmp_path / "frozen.keras").layers[0].trainable
+    assert not reloaded(converted, tmp_path, "frozen").layers[0].trainable
 
 
 #: A binary classifier's head as plain Keras writes it: `(layers, loss)`.
@@ -267,8 +266,7 @@ def test_a_wide_and_deep_classifier_trains_predicts_and_samples_on_its_two_input
     assert out["probabilities"].shape == (64, 3)
     samples = kd.predict_samples(converted, x, num_samples=5, seed=0)
     assert samples.shape == (64, 5, 3)
-    converted.save(tmp_path / "wide_deep.keras")
-    loaded = keras.saving.load_model(tmp_path / "wide_deep.keras")
+    loaded = reloaded(converted, tmp_path, "wide_deep")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6)
 
 
@@ -352,9 +350,7 @@ def test_a_converted_model_trains_saves_and_loads(tmp_path):
         history = converted.fit(x, labels, epochs=3, verbose=0).history
     assert np.isfinite(history["loss"]).all() and "kl" in history
     assert (kd.predict(converted, x)["label"] == labels).mean() > 0.9  # no `task=`: the loss tells
-    path = str(tmp_path / "converted.keras")
-    converted.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(converted, tmp_path, "converted")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
 
 
@@ -421,9 +417,7 @@ def test_a_regression_compiled_with_the_mean_squared_error_comes_back_with_a_lea
     converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(len(x)))
     history = converted.fit(x, y, epochs=40, batch_size=32, verbose=0).history
     assert history["nll"][-1] < history["nll"][0] and np.isfinite(history["loss"]).all()
-    path = str(tmp_path / "regression.keras")
-    converted.save(path)
-    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), converted.predict(x, verbose=0),
+    np.testing.assert_allclose(reloaded(converted, tmp_path, "regression").predict(x, verbose=0), converted.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
     plain.compile(keras.optimizers.Adam(5e-3), loss="mae")
     assert not kd.convert(plain, **TINY).compiled
@@ -583,9 +577,7 @@ def test_last_layers_keep_a_frozen_nested_backbone_frozen(tmp_path):
     assert set(history) >= {"loss", "nll", "kl"} and np.isfinite(history["loss"]).all()
     for a, b in zip(copy.get_weights(), before):
         np.testing.assert_array_equal(a, b)  # frozen
-    path = tmp_path / "last_layers.keras"
-    converted.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(converted, tmp_path, "last_layers")
     np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(converted(x)), rtol=1e-6, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ from keras import ops
 
 import keras_dvi as kd
 from keras_dvi import conv_moments
-from tests.conftest import plain_outputs, to_numpy
+from tests.conftest import plain_outputs, reloaded, to_numpy
 from tests.test_conv import _assert_exact, _compare, _images, _set_variances
 
 TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
@@ -202,9 +202,7 @@ def test_layers_round_trip_their_config_and_channels_first_computes_the_same(tmp
     model = _encoder_decoder()
     _set_variances(model, 0.3)
     x = _images(16, rows=2)
-    path = str(tmp_path / "segmentation.keras")
-    model.save(path)
-    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), model.predict(x, verbose=0),
+    np.testing.assert_allclose(reloaded(model, tmp_path, "segmentation").predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
     first = keras.Sequential([keras.Input((1, 16, 16)), kd.Conv2DDVI(4, 3, padding="same", data_format="channels_first"),
                               kd.Conv2DTransposeDVI(3, 3, strides=2, data_format="channels_first", activation="relu"),
@@ -455,9 +453,7 @@ def test_a_segmenter_with_bilinear_upsampling_converts_trains_and_saves(tmp_path
         warnings.simplefilter("ignore")  # (8 images for 2 epochs: the collapse check may speak)
         history = bayesian.fit(x, rng.integers(0, 3, size=(8, 16, 16)), epochs=2, batch_size=4, verbose=0).history
     assert np.all(np.isfinite(history["loss"])) and np.all(np.array(history["kl"]) > 0)
-    path = str(tmp_path / "deeplab.keras")
-    bayesian.save(path)
-    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), bayesian.predict(x, verbose=0),
+    np.testing.assert_allclose(reloaded(bayesian, tmp_path, "deeplab").predict(x, verbose=0), bayesian.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
 
 

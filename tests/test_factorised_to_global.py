@@ -13,6 +13,7 @@ from keras import ops
 
 import keras_dvi as kd
 from keras_dvi import inducing
+from tests.conftest import reloaded
 from tests.test_global_inducing import _numpy_posterior
 
 
@@ -147,9 +148,7 @@ def test_both_networks_train_initialise_save_and_load(tmp_path):
         history = model.fit(x, y, epochs=60, batch_size=64, verbose=0).history  # full batches: M + N rows
         assert np.isfinite(history["loss"]).all()
         assert np.mean(history["nll"][-5:]) < np.mean(history["nll"][:5])  # (the loss rises as the KL warms up)
-        path = tmp_path / f"{model.layers[2].name}.keras"
-        model.save(path)
-        loaded = keras.saving.load_model(path)
+        loaded = reloaded(model, tmp_path, model.layers[2].name)
         for a, b in zip(model.weights, loaded.weights):
             np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
         for m in (model, loaded):

@@ -16,7 +16,7 @@ from keras import ops
 from scipy import stats
 
 import keras_dvi as kd
-from tests.conftest import gradients, model_gradients, to_numpy
+from tests.conftest import gradients, model_gradients, reloaded, to_numpy
 from keras_dvi import inducing, predictive
 
 rng_global = np.random.default_rng(0)
@@ -241,9 +241,7 @@ def test_training_is_finite_and_reports_kl(trained_toy):
 @pytest.mark.heavy
 def test_save_load_keeps_inducing_state_and_predictions(trained_toy, tmp_path):
     model, _, _, xn, _ = trained_toy
-    path = tmp_path / "gi.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "gi")
     for a, b in zip(model.weights, loaded.weights):
         np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
     first = loaded.layers[0]
@@ -561,9 +559,7 @@ def test_scale_prior_trains_saves_and_loads(tmp_path):
     for layer in model.layers[:2]:
         assert isinstance(layer.regularizer, kd.ScalePrior)
         assert float(ops.convert_to_numpy(layer.scale_log_alpha)) != 6.0  # q(s) is learned
-    path = tmp_path / "scale.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "scale")
     for a, b in zip(model.weights, loaded.weights):
         np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
     for m in (model, loaded):

@@ -12,6 +12,7 @@ import pytest
 from keras import ops
 
 import keras_dvi as kd
+from tests.conftest import reloaded
 from tests.test_global_inducing import _numpy_posterior
 
 
@@ -162,9 +163,7 @@ def test_network_trains_saves_loads_and_predicts_samples(prior, residual, tmp_pa
     assert model.predict(x[:5], verbose=0).shape == (5, 2, 2)
     samples = kd.predict_samples(model, x[:5], 6)
     assert samples.shape == (5, 6, 2)
-    path = tmp_path / "gic.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "gic")
     assert isinstance(loaded.layers[1], kd.GlobalInducingConv2D) and loaded.layers[1].kernel_size == (3, 3)
     for a, b in zip(model.weights, loaded.weights):
         np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
@@ -302,9 +301,7 @@ def test_spatial_iw_network_trains_saves_and_loads(tmp_path):
     history = model.fit(x, labels, epochs=3, batch_size=16, verbose=0).history
     assert np.isfinite(history["loss"]).all() and np.isfinite(history["kl"]).all()
     assert not np.array_equal(ops.convert_to_numpy(conv.spatial_tril), start)  # q(L) is learned
-    path = tmp_path / "iw.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "iw")
     assert isinstance(loaded.layers[1].regularizer, kd.SpatialIWPrior)
     for m in (model, loaded):
         kd.set_sampling_seed(m, 3)

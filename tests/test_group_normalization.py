@@ -13,7 +13,7 @@ from keras import ops
 import keras_dvi as kd
 from benchmarks.experiments.new_layers_against_monte_carlo import group_normalised_cnn
 from keras_dvi import conv_moments
-from tests.conftest import gradients, plain_outputs, to_numpy
+from tests.conftest import gradients, plain_outputs, reloaded, to_numpy
 from tests.test_conv import _compare, _set_variances
 
 TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
@@ -137,9 +137,7 @@ def test_a_normalised_network_converts_computes_the_plain_function_and_matches_m
         warnings.simplefilter("ignore")  # (4 images for 2 epochs: the collapse check may speak)
         history = bayesian.fit(x, np.arange(4) % 3, epochs=2, batch_size=2, verbose=0).history
     assert np.all(np.isfinite(history["loss"]))
-    path = str(tmp_path / "groups.keras")
-    bayesian.save(path)
-    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), bayesian.predict(x, verbose=0),
+    np.testing.assert_allclose(reloaded(bayesian, tmp_path, "groups").predict(x, verbose=0), bayesian.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
 
 

@@ -10,7 +10,6 @@ the bounds below are the measured errors (N = 20,000 draws, a variance ratio's s
 0.01) with room for the seeds, for inputs from nearly deterministic to pure noise.
 """
 
-import os
 import warnings
 
 import keras
@@ -20,7 +19,7 @@ import pytest
 import keras_dvi as kd
 from keras_dvi.layers import vectors
 from keras_dvi.maths import conv_moments, moments
-from tests.conftest import gradients, to_numpy
+from tests.conftest import gradients, reloaded, to_numpy
 from tests.test_conv import _compare, _images, _set_variances
 
 N = 20_000
@@ -231,9 +230,7 @@ def test_channels_first_computes_the_same_trains_and_saves(tmp_path):
     last.compile(keras.optimizers.Adam(1e-2), loss=kd.SoftmaxDeltaELL())
     history = last.fit(x, np.arange(4) % 3, epochs=2, verbose=0).history
     assert np.isfinite(history["loss"]).all()
-    path = os.path.join(tmp_path, "layer_norm.keras")
-    last.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(last, tmp_path, "layer_norm")
     np.testing.assert_array_equal(to_numpy(loaded(x)), to_numpy(last(x)))
     norm = next(layer for layer in last.layers if isinstance(layer, kd.LayerNormalizationDVI))
     assert kd.LayerNormalizationDVI.from_config(norm.get_config()).get_config() == norm.get_config()
@@ -315,9 +312,7 @@ def test_convert_turns_a_convnext_into_its_keras_dvi_counterpart(tmp_path):
     converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=len(x)))
     history = converted.fit(x, np.arange(4) % 3, epochs=3, verbose=0).history
     assert np.isfinite(history["loss"]).all() and history["nll"][-1] < history["nll"][0]
-    path = os.path.join(tmp_path, "convnext.keras")
-    converted.save(path)
-    np.testing.assert_array_equal(keras.saving.load_model(path).predict(x, verbose=0), converted.predict(x, verbose=0))
+    np.testing.assert_array_equal(reloaded(converted, tmp_path, "convnext").predict(x, verbose=0), converted.predict(x, verbose=0))
 
 
 def test_convert_normalised_mlp_folds_the_activation_into_the_normalisation():
@@ -373,9 +368,7 @@ def test_rms_normalisation_converts_computes_the_plain_function_trains_and_saves
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (4 sequences for 2 epochs: the collapse check may speak)
         assert np.isfinite(bayesian.fit(x, np.arange(4) % 3, epochs=2, verbose=0).history["loss"]).all()
-    path = os.path.join(tmp_path, "rms.keras")
-    bayesian.save(path)
-    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), bayesian.predict(x, verbose=0),
+    np.testing.assert_allclose(reloaded(bayesian, tmp_path, "rms").predict(x, verbose=0), bayesian.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
     config = norms[0].get_config()
     assert "center" not in config and kd.RMSNormalizationDVI.from_config(config).get_config() == config

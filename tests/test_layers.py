@@ -14,7 +14,7 @@ from keras_dvi import (
     predictive,
     unpack,
 )
-from tests.conftest import model_gradients, to_numpy
+from tests.conftest import model_gradients, reloaded, to_numpy
 
 LAYER_FACTORIES = {
     "DenseDVI": lambda: DenseDVI(4, "relu"),
@@ -351,9 +351,7 @@ def test_saved_model_predicts_the_same(tmp_path, kind):
         model = keras.Sequential([keras.Input((3,)), DenseDVI(6, "relu"), SkipDVI(), DenseDiagDVI(2)])
     x = _x()
     before = model.predict(x, verbose=0)
-    path = tmp_path / "model.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(model, tmp_path, "model")
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), before)
     assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in model.layers]
 

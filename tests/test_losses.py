@@ -18,7 +18,7 @@ from keras_dvi import (
     unpack,
 )
 from keras_dvi.packing import pack
-from tests.conftest import mc_gaussian, random_gaussian, gradients, to_numpy
+from tests.conftest import gradients, mc_gaussian, random_gaussian, reloaded, to_numpy
 
 
 def test_heteroscedastic_ell_matches_monte_carlo():
@@ -340,8 +340,7 @@ def test_target_scaling_trains_on_targets_in_their_own_units(tmp_path):
     rmse = float(to_numpy(predictive.rmse(model.predict(x[test], verbose=0), y[test])))
     baseline = float(np.sqrt(np.mean((y[train].mean() - y[test]) ** 2)))
     assert rmse < 0.85 * baseline, (rmse, baseline)
-    model.save(tmp_path / "m.keras")
-    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    loaded = reloaded(model, tmp_path, "m")
     np.testing.assert_allclose(loaded.predict(x[test], verbose=0), model.predict(x[test], verbose=0), rtol=1e-6)
     with pytest.raises(ValueError, match="std"):
         keras_dvi.TargetScaling(0.0, 0.0)

@@ -8,7 +8,6 @@ moment functions' within 5 standard errors. The layers are then checked end to e
 Monte Carlo over the weights, in both data formats, saved and loaded, and misused.
 """
 
-import os
 import warnings
 
 import keras
@@ -17,7 +16,7 @@ import pytest
 
 import keras_dvi as kd
 from keras_dvi.maths import conv_moments
-from tests.conftest import plain_outputs, to_numpy
+from tests.conftest import plain_outputs, reloaded, to_numpy
 from tests.test_conv import _compare, _images, _set_variances
 
 N = 20_000
@@ -161,9 +160,7 @@ def test_channels_first_computes_the_same_and_the_layers_save(tmp_path):
     np.testing.assert_allclose(to_numpy(first(np.moveaxis(x, -1, 1))), to_numpy(last(x)), rtol=1e-5, atol=1e-6)
     last.compile(keras.optimizers.Adam(1e-2), loss=kd.SoftmaxDeltaELL())
     last.fit(x, np.arange(4) % 3, epochs=1, verbose=0)
-    path = os.path.join(tmp_path, "map_layers.keras")
-    last.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(last, tmp_path, "map_layers")
     np.testing.assert_array_equal(to_numpy(loaded(x)), to_numpy(last(x)))
     for layer in last.layers:
         if isinstance(layer, kd.layers.feature_map.MapLayer):
@@ -271,9 +268,7 @@ def test_squeeze_and_excitation_converts_computes_the_plain_network_and_saves(tm
     converted = kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=4))
     mean, variance = (to_numpy(t) for t in kd.unpack(converted(x), covariance="diagonal"))
     assert np.isfinite(mean).all() and (variance > 0).all()
-    path = str(tmp_path / "se.keras")
-    converted.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(converted, tmp_path, "se")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
 
 
@@ -322,9 +317,7 @@ def test_activation_layer_saves_refuses_dense_inputs_and_converts_after_a_shared
     assert [type(layer).__name__ for layer in converted.layers].count("ActivationDVI") == 1
     x = _images(rows=4, size=8, channels=3)
     np.testing.assert_allclose(to_numpy(kd.unpack(converted(x))[0]), to_numpy(plain(x)), rtol=1e-4, atol=1e-5)
-    path = str(tmp_path / "activation.keras")
-    converted.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
+    loaded = reloaded(converted, tmp_path, "activation")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), converted.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,6 +9,7 @@ from keras import ops
 
 import keras_dvi as kd
 from keras_dvi import predictive
+from tests.conftest import reloaded
 
 
 def _layer(local, units=3, seed=0, **kwargs):
@@ -77,9 +78,7 @@ def test_trains_saves_and_predicts_samples(tmp_path):
     samples = kd.predict_samples(model, x, 50)
     assert samples.shape == (128, 50, 2)
     assert float(np.mean(predictive.sampled_log_predictive_density(samples, y))) > 0.0  # noise sd 0.1
-    path = tmp_path / "mcvi.keras"
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "mcvi")
     for a, b in zip(model.weights, loaded.weights):
         np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
     assert loaded.layers[1].local_reparameterization and loaded.layers[0].num_samples == 4

@@ -15,7 +15,7 @@ from keras_dvi import (
     predictive,
 )
 from keras_dvi.packing import pack
-from tests.conftest import mc_gaussian, random_gaussian, to_numpy
+from tests.conftest import mc_gaussian, random_gaussian, reloaded, to_numpy
 
 
 def test_regression_predictive_decomposition_against_monte_carlo():
@@ -84,8 +84,7 @@ def test_keras_metrics_for_packed_outputs(tmp_path):
     y_pred = model.predict(x, verbose=0)
     np.testing.assert_allclose(results["predictive_mse"], float(to_numpy(predictive.rmse(y_pred, y))) ** 2, rtol=1e-5)
     np.testing.assert_allclose(results["predictive_log_likelihood"], to_numpy(predictive.log_predictive_density(y_pred, y)).mean(), rtol=1e-5)
-    model.save(tmp_path / "m.keras")
-    keras.saving.load_model(tmp_path / "m.keras")
+    reloaded(model, tmp_path, "m")
     # Classification accuracy from the mean logits, integer and one-hot labels.
     logits = np.array([[2.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 3.0, 0.0]], "float32")
     y_pred = pack(logits, np.ones((3, 3), "float32"))

@@ -20,7 +20,7 @@ from keras_dvi import (
     unpack,
 )
 from keras_dvi.objective import describe
-from tests.conftest import to_numpy
+from tests.conftest import reloaded, to_numpy
 
 
 def _inverse_gamma_map(mean, var, alpha, beta):
@@ -116,8 +116,7 @@ def test_scale_prior_trains_and_saves(tmp_path):
     model.compile(keras.optimizers.Adam(1e-2), loss=SoftmaxDeltaELL())
     history = model.fit(x, y, epochs=3, batch_size=32, verbose=0).history
     assert np.all(np.isfinite(history["loss"])) and history["kl"][-1] > 0
-    model.save(tmp_path / "scale.keras")
-    loaded = keras.models.load_model(tmp_path / "scale.keras")
+    loaded = reloaded(model, tmp_path, "scale")
     assert loaded.layers[0].regularizer.get_config() == model.layers[0].regularizer.get_config()
     np.testing.assert_allclose(to_numpy(loaded(x)), to_numpy(model(x)), rtol=1e-6)
 
@@ -216,8 +215,7 @@ def test_auto_kl_weight_is_n_over_p_for_classifiers(task, n_train, tmp_path):
     assert f"nll + {expected:.3g} * KL / {n_train}" in text
     assert ("tempered posterior" in text) == (expected < 1)
     assert (f"P = {weights} weights" in text) == classifier
-    model.save(tmp_path / "auto.keras")
-    loaded = keras.models.load_model(tmp_path / "auto.keras")
+    loaded = reloaded(model, tmp_path, "auto")
     assert loaded.layers[0].regularizer.kl_weight == "auto"
     assert describe(loaded) == text
 
@@ -236,8 +234,7 @@ def test_defaults_state_the_rule_and_the_elbo_stays_one_argument_away(tmp_path):
         model = _toy_model(EmpiricalBayesRegularizer(num_train=64, kl_warmup_steps=0, **setting))
         model.compile(keras.optimizers.SGD(0.0), loss=SoftmaxDeltaELL())
         texts[bool(setting)] = describe(model)
-        model.save(tmp_path / "model.keras")
-        loaded = keras.models.load_model(tmp_path / "model.keras")
+        loaded = reloaded(model, tmp_path, "model")
         assert loaded.layers[0].regularizer.kl_weight == setting.get("kl_weight", "auto")
         assert describe(loaded) == texts[bool(setting)]
     assert "a tempered posterior" in texts[False] and "kl_weight='auto' for a classifier" in texts[False]

@@ -14,6 +14,7 @@ from scipy import stats
 import keras_dvi as kd
 from keras_dvi import tagi
 from keras_dvi.maths import tagi as tagi_maths
+from tests.conftest import reloaded
 
 
 def _tensor(a, dtype="float64"):
@@ -485,9 +486,7 @@ def test_fit_evaluate_predict_save_and_load(tmp_path):
     want = -stats.norm.logpdf(y, out["mean"], np.sqrt(out["variance"])).sum(axis=-1).mean()
     np.testing.assert_allclose(logs["nll"], want, rtol=1e-4)
     assert np.all(out["lower"] < out["mean"]) and np.all(out["mean"] < out["upper"])
-    path = str(tmp_path / "tagi.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "tagi")
     assert isinstance(loaded, kd.TAGIModel) and loaded.forward == "moments"
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # compiled on load, trains on
@@ -572,9 +571,7 @@ def test_conv_network_trains_on_digits_and_round_trips(tmp_path):
     model.fit(x[:1400], y[:1400], batch_size=10, epochs=3, verbose=0)
     out = kd.predict(model, x[1400:])
     assert np.mean(out["label"] == y[1400:]) > 0.8  # (chance: 0.1; without the cap it stays there)
-    path = str(tmp_path / "tagi_cnn.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = reloaded(model, tmp_path, "tagi_cnn")
     assert loaded.max_step == "auto" and loaded._max_step == 1.0  # conv networks cap their updates
     np.testing.assert_allclose(loaded.predict(x[1400:], verbose=0), model.predict(x[1400:], verbose=0),
                                rtol=1e-6, atol=1e-7)

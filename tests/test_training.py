@@ -9,7 +9,7 @@ import pytest
 
 import keras_dvi as kd
 from keras_dvi import elbo_tracker
-from tests.conftest import to_numpy
+from tests.conftest import reloaded, to_numpy
 from tests.test_priors import _numpy_eb_kl, _numpy_nll
 
 
@@ -287,8 +287,7 @@ def test_the_auto_warm_up_is_planned_once_and_without_a_known_length_is_3000_ste
     model.compile(keras.optimizers.SGD(0.0), loss=kd.HeteroscedasticELL())
     model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[StopAfter()])  # plans 80 steps
     assert float(to_numpy(model.layers[0].kl_step)) == 3 and not model.layers[0].kl_term.warmup_done()
-    model.save(tmp_path / "m.keras")
-    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    loaded = reloaded(model, tmp_path, "m")
     loaded.fit(x, y, batch_size=64, epochs=1, verbose=0)  # a later run keeps the plan
     assert [float(to_numpy(layer.kl_warmup_length)) for layer in loaded.layers] == [60.0] * 3
     assert float(to_numpy(loaded.layers[0].kl_term.weight(training=True))) == pytest.approx(5 / 60)
@@ -317,8 +316,7 @@ def test_the_schedule_resumes_after_saving(tmp_path):
     x, y = _data(seed=3)
     model = _model("sequential", kd.EmpiricalBayesRegularizer(64, kl_warmup_steps=10, kl_weight=0.5))
     _frozen_fit(model, x, y, epochs=3)
-    model.save(tmp_path / "m.keras")
-    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    loaded = reloaded(model, tmp_path, "m")
     assert [float(to_numpy(layer.kl_step)) for layer in loaded.layers] == [3.0] * 3
     assert loaded.layers[0].regularizer.kl_weight == 0.5
     assert loaded.layers[0].regularizer.kl_warmup_steps == 10

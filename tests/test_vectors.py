@@ -19,7 +19,7 @@ import pytest
 import keras_dvi as kd
 from keras_dvi import packing
 from keras_dvi.maths import moments
-from tests.conftest import to_numpy
+from tests.conftest import reloaded, to_numpy
 
 N = 20_000
 BATCH = 3
@@ -188,8 +188,7 @@ def test_a_residual_sum_with_an_activation_and_data_inputs():
 def test_merging_vectors_saves_and_loads(tmp_path):
     model = _independent_branches(full=False)
     x = [np.ones((2, 5), "float32"), np.ones((2, 3), "float32")]
-    model.save(tmp_path / "merged.keras")
-    loaded = keras.saving.load_model(tmp_path / "merged.keras")
+    loaded = reloaded(model, tmp_path, "merged")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
 
 

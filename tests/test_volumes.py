@@ -14,7 +14,7 @@ from keras import ops
 import keras_dvi as kd
 from benchmarks.experiments.new_layers_against_monte_carlo import volume_cnn
 from keras_dvi import conv_moments
-from tests.conftest import plain_outputs, to_numpy
+from tests.conftest import plain_outputs, reloaded, to_numpy
 from tests.test_conv import _assert_exact, _compare, _set_variances
 
 TINY = {"kernel_variance": 1e-12, "bias_variance": 1e-12}
@@ -129,9 +129,7 @@ def test_kerasio_ct_scan_classifier_converts_trains_and_saves(tmp_path):
         warnings.simplefilter("ignore")  # (8 volumes for 2 epochs: the collapse check may speak)
         history = bayesian.fit(x, rng.integers(0, 2, size=(8, 1)), epochs=2, batch_size=4, verbose=0).history
     assert np.all(np.isfinite(history["loss"])) and np.all(np.array(history["kl"]) > 0)
-    path = str(tmp_path / "ct.keras")
-    bayesian.save(path)
-    np.testing.assert_allclose(keras.saving.load_model(path).predict(x, verbose=0), bayesian.predict(x, verbose=0),
+    np.testing.assert_allclose(reloaded(bayesian, tmp_path, "ct").predict(x, verbose=0), bayesian.predict(x, verbose=0),
                                rtol=1e-6, atol=1e-7)
 
 
