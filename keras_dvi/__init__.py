@@ -15,7 +15,7 @@ networks without gradients. The public API, by topic:
   `BatchNormalizationDVI`, `LayerNormalizationDVI`, `RMSNormalizationDVI`, `GroupNormalizationDVI`, `ZeroPadding1DDVI`, `ZeroPadding2DDVI`, `Cropping1DDVI`,
   `Cropping2DDVI`, `UpSampling1DDVI`, `UpSampling2DDVI`;
 * attention (Transformers): `MultiHeadAttentionDVI`; a Vision Transformer's tokens:
-  `ReshapeDVI`, `PositionEmbeddingDVI`;
+  `ReshapeDVI`, `ClassTokenDVI`, `PositionEmbeddingDVI`, `SelectTokenDVI`;
 * the objective: losses `HeteroscedasticELL`, `SoftmaxDeltaELL`; priors
   `EmpiricalBayesRegularizer`, `GaussianPriorRegularizer`,
   `ScalePriorRegularizer` (by default `kl_weight="auto"`: the ELBO for regression, the rule
@@ -74,6 +74,8 @@ _EXPORTS = {
     "MultiHeadAttentionDVI": "keras_dvi.layers",
     "ReshapeDVI": "keras_dvi.layers",
     "PositionEmbeddingDVI": "keras_dvi.layers",
+    "ClassTokenDVI": "keras_dvi.layers",
+    "SelectTokenDVI": "keras_dvi.layers",
     "ZeroPadding1DDVI": "keras_dvi.layers",
     "ZeroPadding2DDVI": "keras_dvi.layers",
     "Cropping1DDVI": "keras_dvi.layers",

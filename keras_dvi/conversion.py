@@ -157,6 +157,39 @@ class _Graph:
         found = {id(layer): _position_embedding(layer) for layer in self.layers if id(layer) not in self.scales}
         return {key: weight for key, weight in found.items() if weight is not None}
 
+    @functools.cached_property
+    def class_tokens(self):
+        """`({id: token}, ids)`: the nodes that become a `ClassTokenDVI` with their token (a layer
+        putting its one weight before the tokens, or a `Concatenate` along the tokens whose first
+        input is such a weight returned alone: `_class_token`), and the ids of the layers that
+        returned it alone (replaced by an identity). A lone token read otherwise is left out
+        (`convert` refuses it if it is to be converted)."""
+        tokens, alone = {}, set()
+        for layer in self.layers:
+            if id(layer) in self.scales or id(layer) in self.embeddings:
+                continue
+            found = _class_token(layer)
+            if found is None:
+                continue
+            token, joined = found
+            if joined:
+                tokens[id(layer)] = token
+                continue
+            reader = self.only_reader(layer)
+            if (isinstance(reader, keras.layers.Concatenate) and len(self.producers[id(reader)]) == 2
+                    and self.producers[id(reader)][0] is layer
+                    and reader.axis in (1, -2) and len(reader.input[1].shape) == 3):
+                tokens[id(reader)] = token
+                alone.add(id(layer))
+        return tokens, alone
+
+    @functools.cached_property
+    def selections(self):
+        """`{id: index}` of the nodes that take one token of a sequence (`_selected_token`)."""
+        found = {id(node): _selected_token(node) for node in self.layers
+                 if id(node) not in self.scales and id(node) not in self.embeddings}
+        return {key: index for key, index in found.items() if index is not None}
+
 
 def _inlinable(layer):
     """Whether a layer is a nested `Sequential` or functional model (a graph of layers)."""
@@ -356,7 +389,8 @@ def _is_grouped_depthwise(layer):
 def _one_weight_map(layer, function):
     """For a layer that is not Keras' own and has one weight `w`: `w` (float64) if the layer
     computes `function(x, w)` on a random input `x` (`function` returns `None` where `w`'s
-    shape cannot fit), else `None` (any other layer, or one that cannot run on the probe)."""
+    shape cannot fit; the result may have another shape than `x`), else `None` (any other
+    layer, or one that cannot run on the probe)."""
     if (not isinstance(layer, keras.layers.Layer) or type(layer).__module__.startswith("keras.src.layers")
             or isinstance(layer, (keras.Model, keras.layers.InputLayer))
             or len(layer.weights) != 1 or not isinstance(layer.input, keras.KerasTensor)):
@@ -373,7 +407,7 @@ def _one_weight_map(layer, function):
         out = keras.ops.convert_to_numpy(layer(probe, training=False))
     except Exception:  # noqa: BLE001 - any layer that cannot run on the probe computes no such map
         return None
-    return weight if out.shape == probe.shape and np.allclose(out, expected, rtol=1e-5, atol=1e-6) else None
+    return weight if out.shape == expected.shape and np.allclose(out, expected, rtol=1e-5, atol=1e-6) else None
 
 
 def _channel_scale(layer):
@@ -394,6 +428,48 @@ def _position_embedding(layer):
 
     weight = _one_weight_map(layer, added)
     return None if weight is None else weight.reshape(tuple(layer.input.shape)[1:])
+
+
+def _class_token(layer):
+    """`(token, joined)` for a layer that puts its only weight, one value per channel, before
+    the tokens of its input (`joined`: `concatenate([broadcast(w), x], axis=1)`, a Vision
+    Transformer's class token) or returns it alone, `broadcast(w)` of shape
+    `(batch, 1, channels)`, for a `Concatenate(axis=1)` to put first (not `joined`); checked on
+    a random input. `None` for any other layer."""
+
+    def token(x, w):
+        return np.broadcast_to(w.reshape(1, 1, -1), (x.shape[0], 1, x.shape[-1]))
+
+    for joined, function in ((True, lambda x, w: np.concatenate([token(x, w), x], axis=1)), (False, token)):
+        weight = _one_weight_map(layer, lambda x, w: function(x, w) if x.ndim == 3 and w.size == x.shape[-1] else None)
+        if weight is not None:
+            return weight.reshape(-1), joined
+    return None
+
+
+def _selected_token(node):
+    """The index (from 0) of the token that an operation, `Lambda` or custom layer without
+    weights takes from a sequence `(batch, tokens, channels)` as a vector: `x[:, i]` (the
+    class token a Vision Transformer's or BERT's head reads), `keras.ops.take(x, i, axis=1)`.
+    Checked through public API only (the node as a `keras.Model` of its input) on a probe
+    whose entries are all different; `None` for any other node."""
+    if isinstance(node, keras.layers.Layer) and (
+            node.weights or isinstance(node, keras.Model)
+            or (type(node).__module__.startswith("keras.src.layers") and not isinstance(node, keras.layers.Lambda))):
+        return None
+    inputs = [t for t in keras.tree.flatten(node.input) if isinstance(t, keras.KerasTensor)]
+    outputs = keras.tree.flatten(node.output)
+    if (len(inputs) != 1 or len(outputs) != 1 or len(inputs[0].shape) != 3 or len(outputs[0].shape) != 2
+            or any(d is None for d in inputs[0].shape[1:]) or outputs[0].shape[-1] != inputs[0].shape[-1]):
+        return None
+    tokens, channels = inputs[0].shape[1:]
+    probe = np.arange(1, 1 + 2 * tokens * channels, dtype=inputs[0].dtype).reshape(2, tokens, channels)
+    try:
+        out = keras.ops.convert_to_numpy(keras.Model(inputs[0], outputs[0])(probe))
+    except Exception:  # noqa: BLE001 (a node that does not run on the probe selects no token)
+        return None
+    found = [i for i in range(tokens) if out.shape == (2, channels) and np.array_equal(out, probe[:, i])]
+    return found[0] if found else None
 
 
 def _is_weight_layer(layer):
@@ -501,14 +577,14 @@ def _plain_parts(layer, on_vector):
 
 def _vectors(graph):
     """The layers whose outputs are channel vectors: a global average pooling (with
-    `keepdims=True` a 1x1 map), and the 1x1 convolutions, `Reshape`s, `Flatten`s, activations
-    and inference-time no-ops that follow it (MobileNets' heads, squeeze-and-excitation
-    gates). keras-dvi carries them in the dense form: the pooling returns it, each convolution
+    `keepdims=True` a 1x1 map) or a token taken from a sequence (`x[:, 0]`), and the 1x1
+    convolutions, `Reshape`s, `Flatten`s, activations and inference-time no-ops that follow it
+    (MobileNets' heads, squeeze-and-excitation gates). keras-dvi carries them in the dense form: the pooling returns it, each convolution
     becomes a `Dense`, each reshape an identity."""
     vectors = set()
     for layer in graph.layers:
         producers = graph.producers[id(layer)]
-        if isinstance(layer, tuple(_GLOBAL_POOLING)):
+        if isinstance(layer, tuple(_GLOBAL_POOLING)) or id(layer) in graph.selections:
             vectors.add(id(layer))
             continue
         if len(producers) != 1 or id(producers[0]) not in vectors:
@@ -641,6 +717,7 @@ def _plan(graph):
     vectors = _vectors(graph)
     identity |= {id(layer) for layer in graph.layers
                  if id(layer) in vectors and isinstance(layer, (keras.layers.Reshape, keras.layers.Flatten))}
+    identity |= graph.class_tokens[1]  # (a class token returned alone: its Concatenate becomes the ClassTokenDVI)
     started = set()  # layers at or after the first layer with weights
     for layer in graph.layers:
         after = _starts_bayesian(layer) or any(id(p) in started for p in graph.producers[id(layer)])
@@ -911,6 +988,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
     | `MultiHeadAttention` on sequences (self-, cross- or causal attention, an `attention_mask`) | `MultiHeadAttentionDVI` |
     | `Reshape` of a map's positions, channels kept (a Vision Transformer's patches into tokens); `Reshape` to one axis | `ReshapeDVI`; `FlattenDVI` |
     | a layer that adds its one weight, one value per position and channel (a Vision Transformer's position embedding), after the first layer with weights | `PositionEmbeddingDVI` (a point estimate) |
+    | a layer that puts its one weight, one value per channel, before the tokens (a class token), or returns it for a `Concatenate(axis=1)` to put first | `ClassTokenDVI` (a point estimate) |
+    | `x[:, i]`, `keras.ops.take(x, i, axis=1)` or a `Lambda` doing either: one token of a sequence (the class token a head reads) | `SelectTokenDVI(i)` |
     | `Dropout` and other inference-time no-ops | removed (an identity) |
     | a nested `Sequential` model, or a nested functional model that the input feeds (a backbone) | its layers, converted as above |
     | a softmax on the output | removed: keras-dvi outputs logits, `SoftmaxDeltaELL` applies it |
@@ -1064,6 +1143,10 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
             converted = dvi.ReshapeDVI(layer.target_shape, name=layer.name)
         elif key in graph.embeddings:
             converted = dvi.PositionEmbeddingDVI.from_embeddings(graph.embeddings[key], name=layer.name)
+        elif key in graph.class_tokens[0]:
+            converted = dvi.ClassTokenDVI.from_token(graph.class_tokens[0][key], name=layer.name)
+        elif key in graph.selections:
+            converted = dvi.SelectTokenDVI(graph.selections[key], name=layer.name)
         elif type(layer) in _RESHAPING:
             kind, argument = _RESHAPING[type(layer)]
             extra = {"interpolation": layer.interpolation} if isinstance(layer, keras.layers.UpSampling2D) else {}
@@ -1107,6 +1190,12 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 layer, kernel_variance, bias_variance, regularizer=regularizer)
         elif _is_operation(layer):
             raise _operation_refused(layer)
+        elif _class_token(layer) is not None:  # (returned alone, not put first by a Concatenate)
+            raise ValueError(
+                f"keras_dvi.convert: layer {layer.name!r} ({type(layer).__name__}) returns its one weight as a "
+                "class token, (batch, 1, channels); keras-dvi puts a class token first in a sequence of tokens "
+                "(keras_dvi.ClassTokenDVI), so its only reader must be a Concatenate(axis=1) with it as the first "
+                "input and the tokens (batch, tokens, channels) second.")
         elif any(isinstance(layer, kinds) for kinds in _NO_GAUSSIAN_RULE):
             reason = next(why for kinds, why in _NO_GAUSSIAN_RULE.items() if isinstance(layer, kinds))
             raise ValueError(
@@ -1121,7 +1210,8 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 "(vectors, or channels), ZeroPadding, Cropping, UpSampling, batch normalisation (folded, or on feature maps and "
                 "vectors), layer, RMS and group normalisation (of channels or units), layer scales (folded), folded "
                 "activations (layers, or operations that compute one), MultiHeadAttention, Reshape (of a map's "
-                "positions), position embeddings (a layer adding its one weight), inference-time no-ops (Dropout), "
+                "positions), position embeddings (a layer adding its one weight), class tokens (a layer putting its one weight "
+                "first) and taking one token (`x[:, 0]`), inference-time no-ops (Dropout), "
                 "and layers before the first layer with weights (an Embedding). To keep the layers up to it plain, convert only the layers after it "
                 "(`last_layers=k`).")
         return converted
@@ -1169,6 +1259,9 @@ def convert(model, regularizer=None, kernel_variance=None, bias_variance=None, h
                 return layer[1](layer[0](*args, **kwargs))
             if isinstance(layer, dvi.AddDVI) and len(args) == 2:  # (a sum written `x + y`)
                 return layer(list(args), **kwargs)
+            if isinstance(layer, (dvi.ClassTokenDVI, dvi.SelectTokenDVI)):
+                # (the tokens alone: a Concatenate's second input; `x[:, 0]` without its key)
+                return layer(args[0][-1] if isinstance(args[0], (list, tuple)) else args[0])
             return layer(*args, **kwargs)
 
         converted = keras.models.clone_model(source, clone_function=clone, call_function=call)

@@ -32,6 +32,11 @@ digits against 4,000 draws of the weights, and (`--stages`) every layer's output
 and each channel's mean over the tokens (what the pooling reads).
 
     python -m benchmarks.experiments.attention_against_monte_carlo --part vit --seeds 0 1 2 --stages 0
+
+With `--class-token` the network puts a class token before the patches and its head reads
+the class token (`x[:, 0]`) instead of the average over the tokens.
+
+    python -m benchmarks.experiments.attention_against_monte_carlo --part vit --class-token --seeds 0 1 2 --stages 0
 """
 
 import argparse
@@ -201,7 +206,7 @@ def cost_table(repeats=5):
               f"{s0 * 1e3:.1f}, {s1 * 1e3:.1f} ms ({s1 / s0:.1f}x) |", flush=True)
 
 
-def _vit(seed, epochs=20):
+def _vit(seed, epochs=20, class_token=False):
     from sklearn.datasets import load_digits
 
     from tests.test_vision_transformer import vision_transformer
@@ -209,26 +214,27 @@ def _vit(seed, epochs=20):
     digits = load_digits()
     x, y = (digits.images[..., None] / 16.0).astype("float32"), digits.target
     keras.utils.set_random_seed(seed)
-    plain = vision_transformer()
+    plain = (vision_transformer(class_token="joined", read=lambda tokens: tokens[:, 0]) if class_token
+             else vision_transformer())
     plain.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
     plain.fit(x[:1200], y[:1200], epochs=epochs, batch_size=32, verbose=0)
     accuracy = plain.evaluate(x[1200:], y[1200:], verbose=0)[1]
     return plain, kd.convert(plain, regularizer=kd.EmpiricalBayesRegularizer(num_train=1200)), x[1200:1208], accuracy
 
 
-def vit_table(seeds, stages, draws=4000):
-    print(f"backend {keras.backend.backend()}")
+def vit_table(seeds, stages, draws=4000, class_token=False):
+    print(f"backend {keras.backend.backend()}; {'the class token' if class_token else 'the average over the tokens'}")
     print("| seed | plain accuracy | logits' variance / Monte Carlo: min-max (median) | means, max error (sd) |")
     print("|---|---|---|---|")
     for seed in seeds:
-        _, converted, x, accuracy = _vit(seed)
+        _, converted, x, accuracy = _vit(seed, class_token=class_token)
         mean, covariance = (np.asarray(t) for t in kd.unpack(converted.predict(x, verbose=0)))
         samples = np.asarray(kd.predict_samples(converted, x, num_samples=draws))
         ratio, error = agreement(mean, np.diagonal(covariance, axis1=-2, axis2=-1), samples)
         print(f"| {seed} | {accuracy:.3f} | {ratio.min():.2f}-{ratio.max():.2f} ({np.median(ratio):.2f}) | "
               f"{error.max():.2f} |", flush=True)
     for seed in stages:
-        _, converted, x, _ = _vit(seed)
+        _, converted, x, _ = _vit(seed, class_token=class_token)
         print(f"\nseed {seed}, layer by layer (variance / Monte Carlo's: median [5%, 95%])")
         print("| layer | per unit | each channel's mean over the tokens |")
         print("|---|---|---|")
@@ -236,15 +242,16 @@ def vit_table(seeds, stages, draws=4000):
             part = keras.Model(converted.input, layer.output)
             out = np.asarray(part.predict(x, verbose=0))
             samples = np.asarray(kd.predict_samples(part, x, num_samples=draws))
+            random = np.ptp(samples, axis=1) > 0  # (a class token is the same number in every draw: exact, tested)
             if out.ndim < 4:  # (a vector: the pooled tokens, the logits)
                 variance = np.asarray(kd.unpack(out)[1])
                 variance = variance if variance.ndim == 2 else np.diagonal(variance, axis1=-2, axis2=-1)
-                ratio = variance / samples.var(1)
+                ratio = variance[random] / samples.var(1)[random]
                 print(f"| {layer.name} | {np.median(ratio):.2f} [{np.percentile(ratio, 5):.2f}, "
                       f"{np.percentile(ratio, 95):.2f}] | |", flush=True)
                 continue
             variance, shared = out[:, 1], out[:, 2]
-            ratio = variance / samples.var(1)
+            ratio = variance[random] / samples.var(1)[random]
             axes, count = tuple(range(1, variance.ndim - 1)), np.prod(variance.shape[1:-1])
             # the mean over positions: independent parts / count^2 plus the shared components' mean squared
             pooled = np.maximum(variance - shared ** 2, 0).sum(axes) / count ** 2 + (shared.sum(axes) / count) ** 2
@@ -259,9 +266,10 @@ def main(argv=None):
     parser.add_argument("--part", choices=("layer", "network", "cost", "vit"), default="network")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--stages", nargs="*", type=int, default=[], help="(--part vit) seeds to trace layer by layer")
+    parser.add_argument("--class-token", action="store_true", help="(--part vit) a class token read by the head")
     args = parser.parse_args(argv)
     if args.part == "vit":
-        vit_table(args.seeds, args.stages)
+        vit_table(args.seeds, args.stages, class_token=args.class_token)
     elif args.part == "layer":
         layer_table(tuple(args.seeds))
     elif args.part == "cost":

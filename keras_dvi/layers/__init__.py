@@ -53,7 +53,7 @@ from keras_dvi.layers.pooling_dvi import (
     MaxPooling2DDVI,
     MaxPooling3DDVI,
 )
-from keras_dvi.layers.reshape_dvi import PositionEmbeddingDVI, ReshapeDVI
+from keras_dvi.layers.reshape_dvi import ClassTokenDVI, PositionEmbeddingDVI, ReshapeDVI, SelectTokenDVI
 from keras_dvi.layers.sampled_noise import SampledHomoscedasticNoise
 from keras_dvi.layers.skip_dvi import SkipDiagDVI, SkipDVI
 from keras_dvi.layers.target_scaling import TargetScaling
@@ -67,4 +67,5 @@ __all__ = ["BayesianLayer", "DenseDVI", "DenseDiagDVI", "SkipDVI", "SkipDiagDVI"
            "ZeroPadding2DDVI", "Cropping1DDVI", "Cropping2DDVI", "DepthwiseConv2DDVI", "ActivationDVI", "MultiplyDVI",
            "Conv1DTransposeDVI", "Conv2DTransposeDVI", "UpSampling1DDVI", "UpSampling2DDVI",
            "Conv3DDVI", "Conv3DTransposeDVI", "MaxPooling3DDVI", "AveragePooling3DDVI", "GlobalAveragePooling3DDVI", "GlobalMaxPooling3DDVI", "ZeroPadding3DDVI", "Cropping3DDVI", "UpSampling3DDVI",
-           "MultiHeadAttentionDVI", "ReshapeDVI", "PositionEmbeddingDVI"]
+           "MultiHeadAttentionDVI", "ReshapeDVI", "PositionEmbeddingDVI",
+           "ClassTokenDVI", "SelectTokenDVI"]

@@ -1,13 +1,24 @@
-"""`ReshapeDVI` and `PositionEmbeddingDVI`: what a Vision Transformer does to a feature map
-between its patch projection and its first attention, on keras-dvi moments. Both are exact."""
+"""The token layers of a Vision Transformer on keras-dvi moments, all exact: `ReshapeDVI` (a
+map's patches as a sequence of tokens), `ClassTokenDVI` (a learned class token before them),
+`PositionEmbeddingDVI` (a learned position embedding) and, after the encoder, `SelectTokenDVI`
+(one token, the class token, as the vector the head reads)."""
 
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_dvi import packing
 from keras_dvi.layers.feature_map import MapLayer
+
+
+def _index(value):
+    """`SelectTokenDVI`'s `index`: an integer (negative counts from the end)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError("Argument `index` must be an integer, the position of the token to take (0: the class "
+                         f"token; negative counts from the end, as in `x[:, index]`); received index={value!r}.")
+    return value
 
 
 def _target_shape(value):
@@ -166,4 +177,137 @@ class PositionEmbeddingDVI(MapLayer):
         config = super().get_config()
         config.pop("data_format")
         config["embeddings_initializer"] = keras.initializers.serialize(self.embeddings_initializer)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class ClassTokenDVI(MapLayer):
+    """Puts a learned class token before the tokens of a keras-dvi sequence,
+    `(batch, 3, tokens, channels)` to `(batch, 3, tokens + 1, channels)`: the Vision
+    Transformer's (and BERT's) `[CLS]` token, `concatenate([broadcast(token), x], axis=1)`,
+    whose encoder output the head reads (`SelectTokenDVI(0)`).
+
+    Exact: the token is a point estimate (no prior, no KL, as the position embedding of
+    `PositionEmbeddingDVI`), so it enters with its value as the mean, no variance and no shared
+    component; the other tokens keep their moments. The encoder's attention then gives it
+    its variance.
+
+    Args:
+        token_initializer: the initializer of the token, `(channels,)` (default: zeros, as in
+            the Vision Transformer).
+
+    Input shape:
+        A packed sequence `(batch, 3, tokens, channels)` (channels last).
+
+    Output shape:
+        A packed sequence `(batch, 3, tokens + 1, channels)`, the class token first.
+
+    Examples:
+        >>> h = keras_dvi.ReshapeDVI((-1, 64))(patches)   # (batch, 3, tokens, 64)
+        >>> h = keras_dvi.ClassTokenDVI()(h)              # (batch, 3, tokens + 1, 64)
+        >>> h = keras_dvi.PositionEmbeddingDVI()(h)
+    """
+
+    rank = 1
+
+    def __init__(self, token_initializer="zeros", **kwargs):
+        if kwargs.pop("data_format", "channels_last") != "channels_last":
+            raise ValueError(f"{type(self).__name__} takes channels-last sequences; argument `data_format` must be "
+                             "'channels_last'.")
+        super().__init__(data_format="channels_last", **kwargs)
+        self.token_initializer = keras.initializers.get(token_initializer)
+
+    def build(self, input_shape):
+        _, channels = self._structure(tuple(input_shape))
+        if channels is None:
+            raise ValueError(f"Layer {self.name!r} needs a known number of channels (its token has one value per "
+                             f"channel); received inputs of shape {tuple(input_shape)}.")
+        self.token = self.add_weight(name="token", shape=(channels,), initializer=self.token_initializer,
+                                     trainable=True, autocast=False)
+
+    def _output_shape(self, input_shape):
+        (tokens,), channels = self._structure(input_shape)
+        return packing.map_shape(input_shape, (None if tokens is None else tokens + 1,), channels)
+
+    def _propagate(self, mean, variance, shared):
+        token = ops.broadcast_to(ops.cast(self.token, mean.dtype), (ops.shape(mean)[0], 1, mean.shape[-1]))
+        zeros = ops.zeros_like(token)
+        return packing.pack_map(*(ops.concatenate([first, t], axis=1)
+                                  for first, t in ((token, mean), (zeros, variance), (zeros, shared))))
+
+    def _sample(self, samples):
+        shape = ops.shape(samples)
+        token = ops.broadcast_to(ops.cast(self.token, samples.dtype), (shape[0], shape[1], 1, samples.shape[-1]))
+        return ops.concatenate([token, samples], axis=2)
+
+    @classmethod
+    def from_token(cls, token, **kwargs):
+        """A built layer with the class token `token` (`(channels,)`, e.g. a plain model's: what
+        `keras_dvi.convert` uses)."""
+        token = np.asarray(keras.ops.convert_to_numpy(token)).reshape(-1)
+        layer = cls(**kwargs)
+        layer.build((None, 3, None, token.shape[0]))
+        layer.token.assign(token)
+        return layer
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("data_format")
+        config["token_initializer"] = keras.initializers.serialize(self.token_initializer)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_dvi")
+class SelectTokenDVI(MapLayer):
+    """Takes one token of a keras-dvi sequence as a vector, `x[:, index]`: the class token
+    that a Vision Transformer's (or BERT's) head reads after the encoder.
+
+    Exact: the token's units keep their means and variances; its shared components (what
+    the positions of a channel share) are dropped, as by `FlattenDVI`, since the vector has
+    one position.
+
+    Args:
+        index: the position of the token (default 0, the class token of `ClassTokenDVI`);
+            negative counts from the end, as in Python.
+
+    Input shape:
+        A packed sequence `(batch, 3, tokens, channels)` (channels last).
+
+    Output shape:
+        Packed `(batch, 2, channels)`: means and variances, ready for `DenseDiagDVI` /
+        `DenseDVI`.
+
+    Examples:
+        >>> h = keras_dvi.LayerNormalizationDVI()(encoded)   # (batch, 3, tokens + 1, 64)
+        >>> h = keras_dvi.SelectTokenDVI(0)(h)               # (batch, 2, 64)
+        >>> logits = keras_dvi.DenseDVI(10, regularizer=prior)(h)
+    """
+
+    rank = 1
+    maps_out = False
+
+    def __init__(self, index=0, **kwargs):
+        if kwargs.pop("data_format", "channels_last") != "channels_last":
+            raise ValueError(f"{type(self).__name__} takes channels-last sequences; argument `data_format` must be "
+                             "'channels_last'.")
+        super().__init__(data_format="channels_last", **kwargs)
+        self.index = _index(index)
+
+    def _output_shape(self, input_shape):
+        (tokens,), channels = self._structure(input_shape)
+        if tokens is not None and not -tokens <= self.index < tokens:
+            raise ValueError(f"Layer {self.name!r} takes token `index`={self.index} of a sequence of {tokens} tokens; "
+                             f"`index` must be in [{-tokens}, {tokens - 1}].")
+        return packing.packed_shape(input_shape, channels, full=False)
+
+    def _propagate(self, mean, variance, shared):
+        return packing.pack(mean[:, self.index], variance[:, self.index])
+
+    def _sample(self, samples):
+        return samples[:, :, self.index]
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("data_format")
+        config["index"] = self.index
         return config
