@@ -165,22 +165,27 @@ def vision_transformer(embedding=AddPositionEmbedding, size=8, patch=2, width=16
     return keras.Model(images, layers.Dense(classes, activation="softmax")(x))
 
 
+def _first_layer_tokens():
+    """`(images, patches, tokens, x)`: a first convolution's 2x2 patches of 6x6 images with 2
+    channels (ReLU, variances far from zero), as 9 tokens of width 5, and 3 images."""
+    prior = kd.EmpiricalBayesRegularizer(num_train=100)
+    images = keras.Input((6, 6, 2))
+    patches = kd.Conv2DDVI(5, 2, strides=2, activation="relu", kernel_variance_init=0.3, regularizer=prior)(images)
+    x = np.random.default_rng(0).normal(size=(3, 6, 6, 2)).astype("float32")
+    return images, patches, kd.ReshapeDVI((-1, 5))(patches), x
+
+
 def test_tokens_keep_each_units_moments_and_each_channels_shared_component():
     """A first convolution's map reshaped into tokens, a position embedding added: against
     20,000 draws of the weights, every token's mean and variance within 5 and 6 standard errors
     (`tests.test_conv`'s check: a first layer's units are exact). The reshape keeps the moments exactly: the tokens are the
     map's units in Keras' order, each channel keeps its shared component (the average over the
     tokens is the map's global average), and the embedding moves the means alone."""
-    rng = np.random.default_rng(0)
-    prior = kd.EmpiricalBayesRegularizer(num_train=100)
-    images = keras.Input((6, 6, 2))
-    patches = kd.Conv2DDVI(5, 2, strides=2, activation="relu", kernel_variance_init=0.3, regularizer=prior)(images)
-    tokens = kd.ReshapeDVI((-1, 5))(patches)
+    images, patches, tokens, x = _first_layer_tokens()
     embedded = kd.PositionEmbeddingDVI(embeddings_initializer="random_normal")(tokens)
     pooled = kd.GlobalAveragePooling1DDVI()(tokens)
     map_pooled = kd.GlobalAveragePooling2DDVI()(patches)
     model = keras.Model(images, [patches, tokens, embedded, pooled, map_pooled])
-    x = rng.normal(size=(3, 6, 6, 2)).astype("float32")
     patches, tokens, embedded, pooled, map_pooled = (to_numpy(t) for t in model.predict(x, verbose=0))
     assert tokens.shape == (3, 3, 9, 5)
     np.testing.assert_array_equal(tokens, patches.reshape(3, 3, 9, 5))
@@ -202,16 +207,11 @@ def test_class_token_enters_with_its_value_and_a_token_is_taken_exactly():
     layers on each draw): the class token after the position embedding is the same number in
     every draw, and the last patch token within 5 and 6 standard errors (a first layer's units
     are exact)."""
-    rng = np.random.default_rng(0)
-    prior = kd.EmpiricalBayesRegularizer(num_train=100)
-    images = keras.Input((6, 6, 2))
-    patches = kd.Conv2DDVI(5, 2, strides=2, activation="relu", kernel_variance_init=0.3, regularizer=prior)(images)
-    tokens = kd.ReshapeDVI((-1, 5))(patches)
+    images, _, tokens, x = _first_layer_tokens()
     with_class = kd.ClassTokenDVI(token_initializer="random_normal")(tokens)
     embedded = kd.PositionEmbeddingDVI(embeddings_initializer="random_normal")(with_class)
     first, last = kd.SelectTokenDVI(0)(embedded), kd.SelectTokenDVI(-1)(embedded)
     model = keras.Model(images, [tokens, with_class, embedded, first, last])
-    x = rng.normal(size=(3, 6, 6, 2)).astype("float32")
     tokens, with_class, embedded, first, last = (to_numpy(t) for t in model.predict(x, verbose=0))
     token, embedding = to_numpy(model.layers[3].token), to_numpy(model.layers[4].embeddings)
     assert with_class.shape == (3, 3, 10, 5) and first.shape == last.shape == (3, 2, 5)

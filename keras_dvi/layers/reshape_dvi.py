@@ -13,6 +13,23 @@ from keras_dvi import packing
 from keras_dvi.layers.feature_map import MapLayer
 
 
+class _TokenLayer(MapLayer):
+    """Base of the token layers: they read channels-last maps and sequences only (as
+    `keras.layers.Reshape` reads maps, and as a Transformer's tokens are), so they take no
+    `data_format` argument and save none."""
+
+    def __init__(self, **kwargs):
+        if kwargs.pop("data_format", "channels_last") != "channels_last":
+            raise ValueError(f"{type(self).__name__} takes channels-last maps and sequences, as keras.layers.Reshape "
+                             "reads them; argument `data_format` must be 'channels_last'.")
+        super().__init__(data_format="channels_last", **kwargs)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("data_format")
+        return config
+
+
 def _index(value):
     """`SelectTokenDVI`'s `index`: an integer (negative counts from the end)."""
     if not isinstance(value, int) or isinstance(value, bool):
@@ -34,7 +51,7 @@ def _target_shape(value):
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class ReshapeDVI(MapLayer):
+class ReshapeDVI(_TokenLayer):
     """Rearranges the positions of a keras-dvi feature map, keeping its channels, as
     `keras.layers.Reshape(target_shape)` whose last entry is the number of channels: an
     image's grid of patch embeddings `(batch, rows, cols, channels)` becomes a Vision
@@ -64,10 +81,7 @@ class ReshapeDVI(MapLayer):
     """
 
     def __init__(self, target_shape, **kwargs):
-        if kwargs.pop("data_format", "channels_last") != "channels_last":
-            raise ValueError(f"{type(self).__name__} reshapes channels-last maps, as keras.layers.Reshape reads "
-                             "them; argument `data_format` must be 'channels_last'.")
-        super().__init__(data_format="channels_last", **kwargs)
+        super().__init__(**kwargs)
         self.target_shape = _target_shape(target_shape)
 
     def _resolved(self, spatial, channels):
@@ -104,13 +118,12 @@ class ReshapeDVI(MapLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.pop("data_format")
         config["target_shape"] = self.target_shape
         return config
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class PositionEmbeddingDVI(MapLayer):
+class PositionEmbeddingDVI(_TokenLayer):
     """Adds a learned embedding to every position of a keras-dvi sequence or feature map,
     `y = x + E` with `E` of shape `(*spatial, channels)`: a Vision Transformer's position
     embedding added to its patch tokens.
@@ -137,10 +150,7 @@ class PositionEmbeddingDVI(MapLayer):
     """
 
     def __init__(self, embeddings_initializer=None, **kwargs):
-        if kwargs.pop("data_format", "channels_last") != "channels_last":
-            raise ValueError(f"{type(self).__name__} takes channels-last maps; argument `data_format` must be "
-                             "'channels_last'.")
-        super().__init__(data_format="channels_last", **kwargs)
+        super().__init__(**kwargs)
         self.embeddings_initializer = keras.initializers.get(
             keras.initializers.RandomNormal(stddev=0.02) if embeddings_initializer is None else embeddings_initializer)
 
@@ -175,13 +185,12 @@ class PositionEmbeddingDVI(MapLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.pop("data_format")
         config["embeddings_initializer"] = keras.initializers.serialize(self.embeddings_initializer)
         return config
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class ClassTokenDVI(MapLayer):
+class ClassTokenDVI(_TokenLayer):
     """Puts a learned class token before the tokens of a keras-dvi sequence,
     `(batch, 3, tokens, channels)` to `(batch, 3, tokens + 1, channels)`: the Vision
     Transformer's (and BERT's) `[CLS]` token, `concatenate([broadcast(token), x], axis=1)`,
@@ -211,10 +220,7 @@ class ClassTokenDVI(MapLayer):
     rank = 1
 
     def __init__(self, token_initializer="zeros", **kwargs):
-        if kwargs.pop("data_format", "channels_last") != "channels_last":
-            raise ValueError(f"{type(self).__name__} takes channels-last sequences; argument `data_format` must be "
-                             "'channels_last'.")
-        super().__init__(data_format="channels_last", **kwargs)
+        super().__init__(**kwargs)
         self.token_initializer = keras.initializers.get(token_initializer)
 
     def build(self, input_shape):
@@ -252,13 +258,12 @@ class ClassTokenDVI(MapLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.pop("data_format")
         config["token_initializer"] = keras.initializers.serialize(self.token_initializer)
         return config
 
 
 @keras.saving.register_keras_serializable(package="keras_dvi")
-class SelectTokenDVI(MapLayer):
+class SelectTokenDVI(_TokenLayer):
     """Takes one token of a keras-dvi sequence as a vector, `x[:, index]`: the class token
     that a Vision Transformer's (or BERT's) head reads after the encoder.
 
@@ -287,10 +292,7 @@ class SelectTokenDVI(MapLayer):
     maps_out = False
 
     def __init__(self, index=0, **kwargs):
-        if kwargs.pop("data_format", "channels_last") != "channels_last":
-            raise ValueError(f"{type(self).__name__} takes channels-last sequences; argument `data_format` must be "
-                             "'channels_last'.")
-        super().__init__(data_format="channels_last", **kwargs)
+        super().__init__(**kwargs)
         self.index = _index(index)
 
     def _output_shape(self, input_shape):
@@ -308,6 +310,5 @@ class SelectTokenDVI(MapLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.pop("data_format")
         config["index"] = self.index
         return config
