@@ -430,6 +430,8 @@ APPLICATIONS = {
     "DenseNet121": (keras.applications.DenseNet121, 32, {"ConcatenateDVI", "BatchNormalizationDVI",
                                                          "AveragePooling2DDVI"}),
     "InceptionV3": (keras.applications.InceptionV3, 75, {"ConcatenateDVI", "AveragePooling2DDVI"}),
+    # residual sums `x + scale * r` written as a custom layer (the scale folded into `r`'s convolution)
+    "InceptionResNetV2": (keras.applications.InceptionResNetV2, 75, {"ConcatenateDVI", "AddDVI"}),
     "MobileNetV2": (lambda **kw: keras.applications.MobileNetV2(alpha=0.35, **kw), 32,
                     {"DepthwiseConv2DDVI", "ZeroPadding2DDVI", "AddDVI"}),
     # the head: global pooling keeping its dimensions, a 1x1 convolution (the output Dense), Reshape
@@ -493,6 +495,69 @@ def test_keras_applications_compute_the_plain_function(family):
     probabilities = to_numpy(keras.ops.softmax(mean))
     np.testing.assert_allclose(probabilities, to_numpy(plain(x, training=False)), atol=2e-5)
     np.testing.assert_allclose(to_numpy(mean), _logits(plain, x), rtol=1e-3, atol=1e-3 * np.abs(_logits(plain, x)).max())
+
+
+class ScaledResidual(keras.layers.Layer):
+    """InceptionResNetV2's residual sum as `keras.applications` writes it (its
+    `CustomScaleLayer`): `x + scale * r`."""
+
+    def __init__(self, scale, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+    def call(self, inputs):
+        return inputs[0] + inputs[1] * self.scale
+
+
+def _inception_resnet_block(form, branch_activation=None, blocks=1):
+    """A stem and `blocks` Inception-ResNet blocks: two branches concatenated, a linear 1x1
+    convolution `r` back to the stem's width, the residual sum `form` of the block's input and
+    `r`, a ReLU; then pooling, a softmax head."""
+    keras.utils.set_random_seed(5)
+    images = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(images)
+    for block in range(blocks):
+        branches = keras.layers.Concatenate()([keras.layers.Conv2D(4, 1, activation="relu")(x),
+                                               keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x)])
+        residual = keras.layers.Conv2D(8, 1, activation=branch_activation, name=f"up{block or ''}")(branches)
+        x = {"custom": lambda: ScaledResidual(0.17, name=f"sum{block or ''}")([x, residual]),
+             "lambda": lambda: keras.layers.Lambda(lambda t: t[0] + 0.17 * t[1], name="sum")([x, residual]),
+             "subtract": lambda: x - residual}[form]()
+        x = keras.layers.Activation("relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(images, keras.layers.Dense(3, activation="softmax")(x))
+
+
+@pytest.mark.parametrize("form, scales", [("custom", (1.0, 0.17)), ("lambda", (1.0, 0.17)), ("subtract", (1.0, -1.0))],
+                         ids=["custom", "lambda", "subtract"])
+def test_a_scaled_residual_sum_folds_its_scales_into_the_layers_that_feed_it(form, scales):
+    """InceptionResNetV2's residual sum `x + scale * r` (a custom layer), a `Lambda` computing
+    the same, and `x - r` written as an operation: found on a probe, each scale folds
+    into the linear convolution that feeds the sum alone (its kernel and bias times the scale),
+    the sum becomes an `AddDVI` with the ReLU after it, and the converted network computes the
+    plain probabilities at tiny variances. A scale on a branch that is not a linear layer
+    feeding the sum alone is refused by name; scaled sums block after block (InceptionResNetV2's
+    40) get the warning of their measured spread, one does not."""
+    plain = _inception_resnet_block(form)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # (one scaled sum: no warning)
+        converted = kd.convert(plain, **TINY)
+    sums = [layer for layer in converted.layers if isinstance(layer, kd.AddDVI)]
+    assert len(sums) == 1 and sums[0].activation == "relu"
+    kernel, bias = (to_numpy(t) for t in plain.get_layer("up").weights)
+    up = converted.get_layer("up")
+    np.testing.assert_allclose(to_numpy(up.kernel_mean), scales[1] * kernel, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(to_numpy(up.bias_mean), scales[1] * bias, rtol=1e-6, atol=1e-7)
+    x = _images(rows=4, size=8, channels=3)
+    np.testing.assert_allclose(kd.predict(converted, x)["probabilities"], to_numpy(plain(x)), atol=2e-5)
+    if form == "custom":
+        with pytest.raises(ValueError, match="'sum' adds its two inputs scaled by 1 and 0.17.*'up' .Conv2D."):
+            kd.convert(_inception_resnet_block(form, branch_activation="relu"), **TINY)
+        with pytest.warns(UserWarning, match="2 residual sums scale a branch .first 'sum'.*InceptionResNetV2"):
+            kd.convert(_inception_resnet_block(form, blocks=2), **TINY)
 
 
 @pytest.mark.heavy

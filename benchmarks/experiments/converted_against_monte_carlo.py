@@ -1,8 +1,8 @@
 """Whole converted networks against Monte Carlo over their weights: the conversion guide's table
 "The whole network against Monte Carlo".
 
-Each network is built with random weights at 32x32 (Keras' applications with 5 classes; a
-U-Net with 3 classes per pixel),
+Each network is built with random weights at 32x32 (75x75 for InceptionResNetV2, its smallest
+input; Keras' applications with 5 classes; a U-Net with 3 classes per pixel),
 its batch normalisation's scales and statistics randomised and then calibrated on a batch of
 32 images (a normalised network, as after training), converted by `keras_dvi.convert` with
 the default posterior variances, and its moments compared with 300 draws of the weights
@@ -25,8 +25,8 @@ import numpy as np
 import keras_dvi as kd
 
 
-def _applications(build, **kwargs):
-    return lambda: build(weights=None, input_shape=(32, 32, 3), classes=5, **kwargs)
+def _applications(build, size=32, **kwargs):
+    return lambda: build(weights=None, input_shape=(size, size, 3), classes=5, **kwargs)
 
 
 def _resnet20():
@@ -72,6 +72,7 @@ NETWORKS = {
     "EfficientNetB0": _applications(keras.applications.EfficientNetB0),
     "NASNetMobile": _applications(keras.applications.NASNetMobile),
     "ConvNeXtTiny": _applications(keras.applications.ConvNeXtTiny),
+    "InceptionResNetV2": _applications(keras.applications.InceptionResNetV2, size=75),  # (its smallest input)
 }
 
 
@@ -154,11 +155,12 @@ def agreements(network, seed, draws=300):
     network and seed under the protocol above."""
     keras.utils.set_random_seed(seed)
     plain = NETWORKS[network]()
+    size = int(plain.inputs[0].shape[1])
     randomise_batch_norm(plain)
-    calibrate_batch_norm(plain, images(32, seed=9))
+    calibrate_batch_norm(plain, images(32, size=size, seed=9))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (convert's warning on EfficientNets and MobileNetV3s is the subject)
-        feature_map, logits = moments_and_samples(plain, images(2), draws=draws, seed=seed)
+        feature_map, logits = moments_and_samples(plain, images(2, size=size), draws=draws, seed=seed)
     return agreement(*logits), agreement(*feature_map)
 
 
