@@ -393,7 +393,7 @@ def _one_weight_map(layer, function):
     computes `function(x, w)` on a random input `x` (`function` returns `None` where `w`'s
     shape cannot fit; the result may have another shape than `x`), else `None` (any other
     layer, or one that cannot run on the probe)."""
-    if (not isinstance(layer, keras.layers.Layer) or type(layer).__module__.startswith("keras.src.layers")
+    if (not isinstance(layer, keras.layers.Layer) or _is_keras_layer(layer)
             or isinstance(layer, (keras.Model, keras.layers.InputLayer))
             or len(layer.weights) != 1 or not isinstance(layer.input, keras.KerasTensor)):
         return None
@@ -468,8 +468,9 @@ def _selected_token(node):
         out = keras.ops.convert_to_numpy(keras.Model(inputs[0], outputs[0])(probe))
     except Exception:  # noqa: BLE001 (a node that does not run on the probe selects no token)
         return None
-    found = [i for i in range(tokens) if out.shape == (2, channels) and np.array_equal(out, probe[:, i])]
-    return found[0] if found else None
+    if out.shape != (2, channels):
+        return None
+    return next((i for i in range(tokens) if np.array_equal(out, probe[:, i])), None)
 
 
 def _is_weight_layer(layer):
@@ -606,13 +607,17 @@ def _is_operation(node):
     return not isinstance(node, keras.layers.Layer)
 
 
+def _is_keras_layer(layer):
+    """Whether `layer` is one of Keras' own layers (a `Lambda` is the user's code)."""
+    return type(layer).__module__.startswith("keras.src.layers") and not isinstance(layer, keras.layers.Lambda)
+
+
 def _is_custom(node):
     """Whether a node of the graph is code `convert` can only probe: an operation on tensors, a
     `Lambda`, or a layer without weights that is not Keras' own (nor a model)."""
     if _is_operation(node):
         return True
-    return not (node.weights or isinstance(node, keras.Model)
-                or type(node).__module__.startswith("keras.src.layers") and not isinstance(node, keras.layers.Lambda))
+    return not (node.weights or isinstance(node, keras.Model) or _is_keras_layer(node))
 
 
 def _sum_scales(node):
